@@ -1,0 +1,32 @@
+"""jaxcert: exact acceptance certificates, speculative decoding and certificate losses."""
+
+from jaxcert.certificate import DEFAULT_TOP_K, Certificate, certificate, certificates
+from jaxcert.rules import (
+    Additive,
+    Multiplicative,
+    Rule,
+    StrictGreedy,
+    TargetTopK,
+    TreeCoverage,
+    Typical,
+    parse_rule,
+    parse_rules,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Additive",
+    "Certificate",
+    "DEFAULT_TOP_K",
+    "Multiplicative",
+    "Rule",
+    "StrictGreedy",
+    "TargetTopK",
+    "TreeCoverage",
+    "Typical",
+    "certificate",
+    "certificates",
+    "parse_rule",
+    "parse_rules",
+]
