@@ -1,5 +1,11 @@
 """jaxcert: exact acceptance certificates, speculative decoding and certificate losses."""
 
+from jaxcert.bounds import (
+    certified_run_length,
+    greedy_margin_bounds,
+    tree_margin_lower_bound,
+    tree_margin_upper_bound,
+)
 from jaxcert.certificate import DEFAULT_TOP_K, Certificate, certificate, certificates
 from jaxcert.rules import (
     Additive,
@@ -27,6 +33,10 @@ __all__ = [
     "Typical",
     "certificate",
     "certificates",
+    "certified_run_length",
+    "greedy_margin_bounds",
+    "tree_margin_lower_bound",
+    "tree_margin_upper_bound",
     "parse_rule",
     "parse_rules",
 ]

@@ -1,0 +1,169 @@
+"""Margin-only certificate bounds and certified run lengths.
+
+When only the target margin ``gamma = p(x0) - p(x2)`` is known, the certificate is
+bracketed by closed forms (spec section 5):
+
+* strict greedy: ``phi(gamma) <= C_1 <= s_V phi(gamma / s_V)``, ``s_V = gamma + 2(1-gamma)/V``,
+  both tight;
+* tree coverage with list size ``m``: ``C_m >= L_m(gamma)``, tight (the infimum). The
+  supremum is ``O(1)`` even as ``gamma -> 0`` for ``m >= 2``, so only the lower bound is
+  informative; it is provided for completeness.
+
+Source: "When Is a Draft Accepted?" (2026), section on margin bounds; spec section 5.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxcert import _numerics
+
+__all__ = [
+    "greedy_margin_bounds",
+    "tree_margin_lower_bound",
+    "tree_margin_upper_bound",
+    "certified_run_length",
+]
+
+
+def _margin(margin):
+    margin = jnp.asarray(margin)
+    if not jnp.issubdtype(margin.dtype, jnp.floating):
+        margin = margin.astype(jnp.float32)
+    return jnp.clip(margin, 0.0, 1.0)
+
+
+def _check_int(name: str, value, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    return value
+
+
+def greedy_margin_bounds(margin: jax.typing.ArrayLike, vocab_size: int):
+    """Tight bounds on the strict-greedy certificate from the margin alone.
+
+    Args:
+      margin: ``[...]`` target margin ``gamma = p(x0) - p(x2)`` in ``[0, 1]``.
+      vocab_size: ``V >= 2``.
+
+    Returns:
+      ``(lower, upper)``, each ``[...]`` in nats: ``lower = phi(gamma)`` (attained only at
+      ``V = 2``, approached for larger ``V``), ``upper = s_V phi(gamma / s_V)`` (attained at
+      the flattest ``p``); ``upper < gamma log 2``. Leading terms ``gamma^2 / 2`` and
+      ``V gamma^2 / 4``.
+
+    Raises:
+      ValueError: ``vocab_size < 2``.
+
+    Source: spec section 5, rule 1.
+    """
+    _check_int("vocab_size", vocab_size, 2)
+    gamma = _margin(margin)
+    lower = _numerics.binary_kl_uniform(gamma)
+    s = gamma + 2.0 * (1.0 - gamma) / vocab_size
+    upper = s * _numerics.binary_kl_uniform(gamma / s)
+    return lower, upper
+
+
+def tree_margin_lower_bound(margin: jax.typing.ArrayLike, m: int):
+    """Tight lower bound ``L_m(gamma)`` on the tree-coverage certificate (list size ``m``).
+
+    ``L_m(r) = ((1+mr)/(m+1)) log(1+mr) + (m(1-r)/(m+1)) log(1-r)``; leading term
+    ``m gamma^2 / 2``. The infimum is attained at ``p = (b + gamma, b, ..., b)`` on ``m+1``
+    tokens. For ``m = 1`` it equals the strict-greedy lower bound.
+
+    Args:
+      margin: ``[...]`` target margin in ``[0, 1]``.
+      m: list size, ``>= 1``.
+
+    Returns:
+      ``[...]`` lower bound in nats.
+
+    Raises:
+      ValueError: ``m < 1``.
+
+    Source: spec section 5, rule 6.
+    """
+    _check_int("m", m, 1)
+    return _numerics.coverage_kl_uniform(_margin(margin), m)
+
+
+def tree_margin_upper_bound(margin: jax.typing.ArrayLike, m: int, vocab_size: int):
+    """Supremum of the tree-coverage certificate over ``p`` with margin ``gamma``.
+
+    ``sup = max{A_V, B_1, ..., B_{m-1}}`` (the vertices of the margin polytope). For
+    ``m >= 2`` it stays ``O(1)`` as ``gamma -> 0`` (e.g. 0.35 at ``gamma = 0.01, m = 2``),
+    which is why only the lower bound is useful in practice.
+
+    Args:
+      margin: ``[...]`` target margin in ``[0, 1]``.
+      m: list size, ``>= 1``.
+      vocab_size: ``V >= m + 1``.
+
+    Returns:
+      ``[...]`` upper bound in nats (attained for ``A_V``, approached for ``B_k``).
+
+    Raises:
+      ValueError: ``m < 1`` or ``vocab_size < m + 1``.
+
+    Source: spec section 5, rule 6.
+    """
+    _check_int("m", m, 1)
+    _check_int("vocab_size", vocab_size, m + 1)
+    gamma = _margin(margin)
+    s = gamma + (m + 1) * (1.0 - gamma) / vocab_size
+    best = s * _numerics.coverage_kl_uniform(gamma / s, m)
+    for k in range(1, m):
+        t = (1.0 - gamma) / (k + 1)
+        top = gamma + t
+        flat = top * jnp.log(m - k + 1.0)
+        tilted = top * jnp.log((m + 1) * top) + k * t * jnp.log((m + 1) * t)
+        best = jnp.maximum(best, jnp.where((m - k) * t >= gamma, flat, tilted))
+    return best
+
+
+def certified_run_length(
+    certificate_values: jax.typing.ArrayLike,
+    budget: jax.typing.ArrayLike,
+    *,
+    where: jax.typing.ArrayLike | None = None,
+) -> jax.Array:
+    """Number of consecutive certified positions from each start.
+
+    A position is certified when its KL budget is strictly below its certificate,
+    ``budget < C``: any drafter with ``KL(p||q) <= budget`` is then accepted there.
+
+    Args:
+      certificate_values: ``[..., T]`` certificates ``C_p`` in nats (``+inf`` allowed).
+      budget: per-position KL budget ``epsilon`` in nats, a scalar or ``[..., T]``.
+      where: optional ``[..., T]`` bool mask of real positions; a masked position ends a
+        run and has run length 0.
+
+    Returns:
+      ``[..., T]`` int32: ``r_t = 1 + r_{t+1}`` if position ``t`` is certified, else 0.
+
+    Raises:
+      ValueError: ``certificate_values`` has no time axis, or the shapes do not broadcast.
+
+    Source: "When Is a Draft Accepted?" (2026), certified runs (seed summary section 4).
+    """
+    values = jnp.asarray(certificate_values)
+    if values.ndim < 1:
+        raise ValueError(f"certificate_values must have shape [..., T], got {values.shape}")
+    try:
+        budget = jnp.broadcast_to(jnp.asarray(budget, values.dtype), values.shape)
+    except ValueError as err:
+        raise ValueError(f"budget does not broadcast to {values.shape}: {err}") from None
+    certified = budget < values
+    if where is not None:
+        certified = certified & jnp.broadcast_to(jnp.asarray(where, bool), values.shape)
+
+    def step(carry, ok):
+        run = jnp.where(ok, carry + 1, 0)
+        return run, run
+
+    moved = jnp.moveaxis(certified, -1, 0)
+    _, runs = lax.scan(step, jnp.zeros(moved.shape[1:], jnp.int32), moved, reverse=True)
+    return jnp.moveaxis(runs, 0, -1)
