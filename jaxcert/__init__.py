@@ -6,7 +6,6 @@ from jaxcert.bounds import (
     tree_margin_lower_bound,
     tree_margin_upper_bound,
 )
-from jaxcert.certificate import DEFAULT_TOP_K, Certificate, certificate, certificates
 from jaxcert.rules import (
     Additive,
     Multiplicative,
@@ -18,6 +17,7 @@ from jaxcert.rules import (
     parse_rule,
     parse_rules,
 )
+from jaxcert.solver import DEFAULT_TOP_K, Certificate, certificate, certificates
 
 __version__ = "0.1.0"
 

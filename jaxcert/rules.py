@@ -6,7 +6,7 @@ the target distribution ``p`` (the tokens whose proposal is accepted), its compl
 ``q`` iff its worst-case top-``m`` list lies inside ``L``.
 
 In this module a rule only says how to find ``U`` and ``m``; the solver in
-:mod:`jaxcert.certificate` does the rest. ``U`` is always a prefix of the tokens
+:mod:`jaxcert.solver` does the rest. ``U`` is always a prefix of the tokens
 sorted by decreasing ``p`` (stable: lower index first), given either by a static size
 (strict greedy, target top-k, tree) or by a probability threshold (additive,
 multiplicative, typical).

@@ -75,7 +75,7 @@ class Certificate:
 class _Prepared(NamedTuple):
     """Per-row quantities shared by every rule. ``N`` rows, window of ``K`` tokens."""
 
-    x: jax.Array  # [N, V] logits in the compute dtype (invalid rows zeroed)
+    x: jax.Array  # [N, V] logits in the compute dtype
     valid: jax.Array  # [N] bool
     top_x: jax.Array  # [N, K] largest logits, decreasing
     top_i: jax.Array  # [N, K] int32 their token ids (ties: lower id first)
@@ -103,17 +103,22 @@ def _compute_dtype(dtype) -> jnp.dtype:
 def _prepare(x: jax.Array, window: int, need_entropy: bool) -> _Prepared:
     dtype = _compute_dtype(x.dtype)
     x = x.astype(dtype)
-    valid = ~jnp.any(jnp.isnan(x) | (x == jnp.inf), axis=-1) & jnp.any(x > -jnp.inf, axis=-1)
-    x = jnp.where(valid[:, None], x, 0.0)
-    top_x, top_i = lax.top_k(x, window)
-    x_max = top_x[:, 0]
-    lse = x_max + jnp.log(jnp.sum(jnp.exp(x - x_max[:, None]), axis=-1))
+    # Keep the normalisation independent of top_k's outputs: on CPU, XLA fuses a reduction
+    # that reads top_k's result into a loop that recomputes it (100x slower).
+    x_max = jnp.max(x, axis=-1)
+    shifted = x - x_max[:, None]
+    e = jnp.exp(shifted)
+    total = jnp.sum(e, axis=-1)
+    lse = x_max + jnp.log(total)
+    # NaN propagates into lse, +inf and an all -inf row make x_max non-finite.
+    valid = jnp.isfinite(lse) & jnp.isfinite(x_max)
     entropy = None
     if need_entropy:
-        log_p = x - lse[:, None]
-        p = jnp.exp(log_p)
-        entropy = -jnp.sum(jnp.where(p > 0, p * log_p, 0.0), axis=-1)
-    return _Prepared(x, valid, top_x, top_i.astype(jnp.int32), x_max - lse, entropy)
+        # H = log S - sum(e (x - max)) / S with e = exp(x - max), S = sum(e).
+        weighted = jnp.sum(jnp.where(e > 0, e * shifted, 0.0), axis=-1)
+        entropy = jnp.log(total) - weighted / total
+    top_x, top_i = _numerics.top_k(x, window)
+    return _Prepared(x, valid, top_x, top_i.astype(jnp.int32), top_x[:, 0] - lse, entropy)
 
 
 def _water_fill(ux, u_valid, tx, x0) -> tuple:
@@ -163,6 +168,14 @@ def _cut(ux, pooled_u):
     return jnp.where(pooled_u > 0, last, jnp.inf)
 
 
+def _upper_member(rule, rel, log_p_max, entropy):
+    """Membership in a threshold rule's ``U`` from logits relative to ``x0`` (no ``exp``)."""
+    threshold, inclusive = rule.upper_threshold(jnp.exp(log_p_max), entropy)
+    positive = threshold > 0
+    log_threshold = jnp.where(positive, jnp.log(jnp.where(positive, threshold, 1.0)), -jnp.inf)
+    return rel >= log_threshold if inclusive else rel > log_threshold
+
+
 def _solve_window(prep: _Prepared, rule, window: int):
     """Top-``K`` path for every row. Returns ``(solution, exact)``; ``exact`` is ``[N]``."""
     vocab = prep.x.shape[-1]
@@ -173,9 +186,12 @@ def _solve_window(prep: _Prepared, rule, window: int):
         upper = jnp.full(x0.shape, min(rule.static_upper_size, vocab), jnp.int32)
         exact = jnp.ones(x0.shape, bool)
     else:
-        threshold, inclusive = rule.upper_threshold(jnp.exp(prep.log_p_max), prep.entropy)
-        w = jnp.exp(prep.top_x - x0[:, None])
-        member = w >= threshold[:, None] if inclusive else w > threshold[:, None]
+        member = _upper_member(
+            rule,
+            prep.top_x - x0[:, None],
+            prep.log_p_max[:, None],
+            None if prep.entropy is None else prep.entropy[:, None],
+        )
         upper = jnp.sum(member, axis=-1, dtype=jnp.int32)
         exact = (upper + m <= window) | (window == vocab)
     impossible = upper > vocab - m
@@ -194,14 +210,12 @@ def _solve_row_exact(x, top_x, log_p_max, entropy, rule, window: int) -> _Soluti
     vocab = x.shape[-1]
     m = rule.list_size
     x0 = top_x[0]
-    threshold, inclusive = rule.upper_threshold(jnp.exp(log_p_max), entropy)
-    w = jnp.exp(x - x0)
-    member = w >= threshold if inclusive else w > threshold
+    member = _upper_member(rule, x - x0, log_p_max, entropy)
     upper = jnp.sum(member, dtype=jnp.int32)
     impossible = upper > vocab - m
     # T* = top-m of L; -inf logits of L stay above the mask of U.
     key = jnp.where(member, -jnp.inf, jnp.maximum(x, jnp.finfo(x.dtype).min))
-    _, comp_i = lax.top_k(key, m)
+    _, comp_i = _numerics.top_k(key, m)
     comp_i = comp_i.astype(jnp.int32)
     comp_x = x[comp_i]
     u_valid = jnp.arange(window) < upper

@@ -1,0 +1,245 @@
+"""``jaxcert certify``: certificates of every rule at every greedy decoding position.
+
+Data flow: prompts -> tokenizer + chat template -> batched prefill of the target ->
+jitted greedy loop (``lax.scan`` in chunks, one host round-trip per chunk for the
+progress bar) that, at every step, computes the target's statistics and the exact
+certificate of every rule from the full-vocabulary logits, then appends the greedy
+token -> a table of positions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pyarrow as pa
+from flax import nnx
+from jax import lax
+
+from jaxcert import stats as stats_lib
+from jaxcert.prompts import Prompt, encode_prompts
+from jaxcert.solver import certificates
+
+__all__ = ["CertifyOptions", "certify_prompts", "rule_column"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CertifyOptions:
+    """Options of a certification run.
+
+    Attributes:
+      steps: greedy continuation length per prompt, in tokens.
+      batch_size: prompts decoded together.
+      min_prompt_tokens: prompts shorter than this (after the chat template) are skipped.
+      stop_at_eos: stop recording a prompt after it emits an end-of-turn token.
+      chunk: decoding steps per jitted call (the progress bar moves once per chunk).
+      top: ``k`` of the recorded top-``k`` coverage.
+      chat: apply the tokenizer's chat template.
+      system_prompt: explicit system message (``None``: the template's default).
+    """
+
+    steps: int = 128
+    batch_size: int = 8
+    min_prompt_tokens: int = 0
+    stop_at_eos: bool = True
+    chunk: int = 16
+    top: int = 10
+    chat: bool = True
+    system_prompt: str | None = None
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "chunk", "top"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.min_prompt_tokens < 0:
+            raise ValueError(f"min_prompt_tokens must be >= 0, got {self.min_prompt_tokens}")
+
+
+def rule_column(rule) -> str:
+    """Column name of a rule's certificate, e.g. ``cert_tree:4``."""
+    return f"cert_{rule.spec}"
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5, 6, 7, 8), donate_argnums=(2,))
+def _decode_chunk(graphdef, state, cache, logits, active, rules, steps, top, eos):
+    """``steps`` greedy steps; records statistics and certificates of each position."""
+    import models  # local: jaxcert's solver does not depend on the models package
+
+    eos = jnp.asarray(eos, jnp.int32)
+
+    def step(carry, _):
+        cache, logits, active = carry
+        st = stats_lib.distribution_stats(logits, top=top)
+        certs = certificates(logits, rules)
+        record = (st, tuple(c.value for c in certs), active)
+        token = st.greedy_token
+        new_logits, cache = models.forward(graphdef, state, token[:, None], cache)
+        cache = cache.commit(1)
+        active = active & ~jnp.any(token[:, None] == eos[None, :], axis=-1)
+        return (cache, new_logits[:, 0], active), record
+
+    (cache, logits, active), records = lax.scan(step, (cache, logits, active), None, length=steps)
+    return cache, logits, active, records
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _prefill(graphdef, state, tokens, lengths, cache):
+    import models
+
+    logits, cache = models.forward(graphdef, state, tokens, cache)
+    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    return last, cache.commit(lengths)
+
+
+def _eos_ids(lm) -> tuple[int, ...]:
+    ids = set(lm.config.eos_token_ids)
+    if getattr(lm.tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(lm.tokenizer.eos_token_id))
+    return tuple(sorted(ids)) or (-1,)
+
+
+def _batches(order: list[int], size: int):
+    for start in range(0, len(order), size):
+        yield order[start : start + size]
+
+
+def certify_prompts(
+    lm,
+    prompts: Sequence[Prompt],
+    rules: Sequence,
+    options: CertifyOptions = CertifyOptions(),
+    *,
+    progress: Callable[[int, int], None] | None = None,
+    on_batch: Callable[[pa.Table], None] | None = None,
+) -> tuple[pa.Table, dict]:
+    """Greedy-decodes every prompt and certifies every position under every rule.
+
+    Args:
+      lm: a ``models.LoadedModel`` (the target).
+      prompts: the prompts.
+      rules: the verification rules (``jaxcert.rules``).
+      options: a :class:`CertifyOptions`.
+      progress: called as ``progress(done_steps, total_steps)`` after every chunk.
+      on_batch: called with each finished batch's table (so a caller can save partial
+        results before a later batch fails).
+
+    Returns:
+      ``(table, info)``: one row per recorded position with columns ``prompt_id``,
+      ``category``, ``prompt_tokens``, ``position``, ``token``, ``top1``,
+      ``top{k}_coverage``, ``margin``, ``entropy`` and one ``cert_<rule>`` column per rule
+      (nats, ``inf`` where rejection is impossible); ``info`` has counts and timings.
+
+    Raises:
+      ValueError: no prompt is long enough, or no rules.
+    """
+    rules = tuple(rules)
+    if not rules:
+        raise ValueError("no rules given")
+    encoded = encode_prompts(
+        lm.tokenizer, prompts, chat=options.chat, system_prompt=options.system_prompt
+    )
+    keep = [i for i, ids in enumerate(encoded) if len(ids) >= max(1, options.min_prompt_tokens)]
+    if not keep:
+        raise ValueError(
+            f"no prompt has at least {options.min_prompt_tokens} tokens "
+            f"(lengths: {sorted(len(e) for e in encoded)[:10]}...)"
+        )
+    # Batch prompts of similar length together: less padding in the prefill.
+    order = sorted(keep, key=lambda i: len(encoded[i]))
+    graphdef, state = nnx.split(lm.model)
+    eos = _eos_ids(lm)
+    chunks = math.ceil(options.steps / options.chunk)
+    total = math.ceil(len(order) / options.batch_size) * chunks * options.chunk
+    done = 0
+    tables = []
+    timings = {"prefill_s": 0.0, "decode_s": 0.0}
+    for batch in _batches(order, options.batch_size):
+        ids = [encoded[i] for i in batch]
+        lengths = np.array([len(x) for x in ids], np.int32)
+        width = int(lengths.max())
+        tokens = np.zeros((len(ids), width), np.int32)
+        for row, seq in enumerate(ids):
+            tokens[row, : len(seq)] = seq
+        cache = _new_cache(lm, len(ids), width + chunks * options.chunk + 1)
+        t0 = time.perf_counter()
+        logits, cache = _prefill(graphdef, state, jnp.asarray(tokens), jnp.asarray(lengths), cache)
+        logits.block_until_ready()
+        timings["prefill_s"] += time.perf_counter() - t0
+        active = jnp.ones(len(ids), bool)
+        parts = []
+        for _ in range(chunks):
+            t0 = time.perf_counter()
+            cache, logits, active, records = _decode_chunk(
+                graphdef, state, cache, logits, active, rules, options.chunk, options.top, eos
+            )
+            records = jax.device_get(records)
+            timings["decode_s"] += time.perf_counter() - t0
+            parts.append(records)
+            done += options.chunk
+            if progress is not None:
+                progress(done, total)
+            if options.stop_at_eos and not np.any(jax.device_get(active)):
+                done += (chunks - len(parts)) * options.chunk
+                break
+        table = _batch_table(parts, batch, prompts, lengths, rules, options)
+        tables.append(table)
+        if on_batch is not None:
+            on_batch(table)
+    if progress is not None:
+        progress(total, total)
+    table = pa.concat_tables(tables).sort_by(
+        [("prompt_order", "ascending"), ("position", "ascending")]
+    )
+    table = table.drop_columns(["prompt_order"])
+    info = {
+        "prompts_given": len(prompts),
+        "prompts_used": len(keep),
+        "prompts_skipped_short": len(prompts) - len(keep),
+        "positions": table.num_rows,
+        **{k: round(v, 3) for k, v in timings.items()},
+    }
+    return table, info
+
+
+def _new_cache(lm, batch: int, length: int):
+    import models
+
+    return models.KVCache.create(lm.config, batch, length, dtype=lm.model.dtype)
+
+
+def _batch_table(parts, batch, prompts, lengths, rules, options) -> pa.Table:
+    stats = [p[0] for p in parts]
+    values = [p[1] for p in parts]
+    active = np.concatenate([p[2] for p in parts], axis=0)  # [steps, B]
+
+    def cat(get):
+        return np.concatenate([get(s) for s in stats], axis=0)  # [steps, B]
+
+    columns = {
+        "token": cat(lambda s: s.greedy_token),
+        "top1": cat(lambda s: s.top1),
+        f"top{options.top}_coverage": cat(lambda s: s.top_coverage),
+        "margin": cat(lambda s: s.margin),
+        "entropy": cat(lambda s: s.entropy),
+    }
+    for r, rule in enumerate(rules):
+        columns[rule_column(rule)] = np.concatenate([v[r] for v in values], axis=0)
+    keep = active if options.stop_at_eos else np.ones_like(active)
+    keep[options.steps :] = False
+    pos, row = np.nonzero(keep)  # step-major
+    out = {
+        "prompt_order": np.asarray(batch)[row],
+        "prompt_id": [prompts[batch[b]].id for b in row],
+        "category": [prompts[batch[b]].category for b in row],
+        "prompt_tokens": lengths[row],
+        "position": pos.astype(np.int32),
+    }
+    for name, array in columns.items():
+        out[name] = array[pos, row]
+    return pa.table(out)

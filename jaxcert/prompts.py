@@ -1,0 +1,129 @@
+"""Prompt sets: MT-Bench from the registry, or any JSONL file, and chat templates."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from collections.abc import Sequence
+
+__all__ = ["Prompt", "load_prompts", "encode_prompts"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    """One user prompt.
+
+    Attributes:
+      id: identifier (MT-Bench ``question_id``, a JSONL ``id``, or the line number).
+      text: the user turn.
+      category: optional category (MT-Bench: writing, roleplay, ...).
+    """
+
+    id: str
+    text: str
+    category: str | None = None
+
+
+def _read_jsonl(path: pathlib.Path, turn: int) -> list[Prompt]:
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt file not found: {path}")
+    prompts = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{number}: invalid JSON ({err.msg})") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}:{number}: expected a JSON object per line")
+            if isinstance(record.get("prompt"), str):
+                text = record["prompt"]
+            elif isinstance(record.get("turns"), list) and record["turns"]:
+                if turn >= len(record["turns"]):
+                    continue
+                text = record["turns"][turn]
+            else:
+                raise ValueError(
+                    f"{path}:{number}: needs a string 'prompt' or a non-empty list 'turns'"
+                )
+            if not isinstance(text, str) or not text.strip():
+                raise ValueError(f"{path}:{number}: the prompt is empty or not a string")
+            ident = record.get("id", record.get("question_id", number))
+            prompts.append(Prompt(str(ident), text, record.get("category")))
+    if not prompts:
+        raise ValueError(f"{path}: no prompts found")
+    return prompts
+
+
+def load_prompts(source: str, *, turn: int = 0, max_prompts: int | None = None) -> list[Prompt]:
+    """Loads prompts from ``'mtbench'`` (fetched from the registry) or a JSONL file.
+
+    Each JSONL line is an object with a string ``prompt`` or a list ``turns`` (the
+    ``turn``-th entry is used; lines with fewer turns are skipped), and optional ``id``
+    / ``question_id`` and ``category``.
+
+    Args:
+      source: ``'mtbench'`` or a path to a ``.jsonl`` file.
+      turn: which turn of multi-turn records to use (0 = first).
+      max_prompts: keep only the first ``max_prompts``.
+
+    Returns:
+      The prompts, in file order.
+
+    Raises:
+      FileNotFoundError: the file does not exist.
+      ValueError: invalid JSON or a record without a usable prompt (line number given),
+        or no prompts at all.
+    """
+    if source == "mtbench":
+        from jaxcert import assets
+
+        path = assets.fetch("mtbench")
+    else:
+        path = pathlib.Path(source).expanduser()
+    prompts = _read_jsonl(path, turn)
+    if max_prompts is not None:
+        if max_prompts < 1:
+            raise ValueError(f"max_prompts must be >= 1, got {max_prompts}")
+        prompts = prompts[:max_prompts]
+    return prompts
+
+
+def encode_prompts(
+    tokenizer,
+    prompts: Sequence[Prompt],
+    *,
+    chat: bool = True,
+    system_prompt: str | None = None,
+) -> list[list[int]]:
+    """Token ids of each prompt, with the model's chat template when it has one.
+
+    Args:
+      tokenizer: a ``transformers`` tokenizer.
+      prompts: the prompts.
+      chat: apply the tokenizer's chat template (with the generation prompt) if it has
+        one; otherwise, or with ``chat=False``, encode the raw text.
+      system_prompt: an explicit system message; ``None`` keeps the template's default
+        (Qwen2.5 adds "You are Qwen, created by Alibaba Cloud...").
+
+    Returns:
+      One list of token ids per prompt.
+    """
+    out = []
+    use_chat = chat and getattr(tokenizer, "chat_template", None)
+    for prompt in prompts:
+        if use_chat:
+            messages = [{"role": "user", "content": prompt.text}]
+            if system_prompt is not None:
+                messages.insert(0, {"role": "system", "content": system_prompt})
+            text = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False
+            )
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        else:
+            ids = tokenizer(prompt.text)["input_ids"]
+        out.append([int(i) for i in ids])
+    return out
