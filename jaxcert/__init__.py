@@ -1,5 +1,7 @@
 """jaxcert: exact acceptance certificates, speculative decoding and certificate losses."""
 
+from jaxcert import losses
+
 from jaxcert.bounds import (
     certified_run_length,
     greedy_margin_bounds,
@@ -32,6 +34,7 @@ __all__ = [
     "TreeCoverage",
     "Typical",
     "certificate",
+    "losses",
     "certificates",
     "certified_run_length",
     "greedy_margin_bounds",

@@ -1,0 +1,303 @@
+"""Differentiable certificate-violation losses, in optax style.
+
+A drafter ``q`` is guaranteed to be accepted at a position when ``KL(p||q) < C_p``
+(the exact certificate of the verification rule). These losses penalise the excess
+``KL(p||q) - C_p (+ margin)`` per position, so that a drafter trained with them is
+accepted more often, not just closer on average. Like optax losses they reduce over the
+vocabulary only: the caller reduces over positions (see :func:`cvar` for a worst-group
+reduction).
+
+Gradients flow to the drafter logits. The target side is a constant by default; with
+``differentiate_target=True`` gradients also flow to the target logits, through
+``KL(p||q)`` and through ``C_p`` with the exact sensitivity ``dC/dp_i = log(p_i / c)`` on
+the pool and 0 elsewhere (spec section 3), implemented as a custom VJP (no
+differentiation through the solver's sort).
+
+Source: "When Is a Draft Accepted?" (2026), section 5 of the seed summary (training
+on certificate violation); spec section 3 (sensitivities).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxcert import rules as rules_lib
+from jaxcert.solver import DEFAULT_TOP_K, certificate
+
+__all__ = [
+    "kl_divergence",
+    "certificate_value",
+    "certificate_violation",
+    "certificate_violation_softplus",
+    "certificate_ratio",
+    "cvar",
+]
+
+
+def _compute_dtype(*arrays):
+    return jnp.float64 if any(a.dtype == jnp.float64 for a in arrays) else jnp.float32
+
+
+def _check_pair(drafter_logits, target_logits):
+    d = jnp.asarray(drafter_logits)
+    t = jnp.asarray(target_logits)
+    for name, a in (("drafter_logits", d), ("target_logits", t)):
+        if not jnp.issubdtype(a.dtype, jnp.floating) or a.ndim < 1:
+            raise ValueError(f"{name} must be floating [..., V], got {a.dtype} {a.shape}")
+    if d.shape != t.shape:
+        raise ValueError(
+            f"drafter and target logits must have the same shape [..., V] (same vocabulary), "
+            f"got {d.shape} and {t.shape}"
+        )
+    return d, t
+
+
+def _masked(where, shape, *arrays):
+    """Replaces masked rows by zeros so that they produce neither NaN values nor gradients."""
+    if where is None:
+        return None, arrays
+    mask = jnp.broadcast_to(jnp.asarray(where, bool), shape[:-1])
+    return mask, tuple(jnp.where(mask[..., None], a, jnp.zeros((), a.dtype)) for a in arrays)
+
+
+def _kl(target_logits, drafter_logits):
+    log_p = jax.nn.log_softmax(target_logits, axis=-1)
+    log_q = jax.nn.log_softmax(drafter_logits, axis=-1)
+    p = jnp.exp(log_p)
+    positive = p > 0
+    safe_log_p = jnp.where(positive, log_p, 0.0)
+    safe_log_q = jnp.where(positive, log_q, 0.0)  # q may be 0 where p is 0
+    return jnp.sum(jnp.where(positive, p * (safe_log_p - safe_log_q), 0.0), axis=-1)
+
+
+def kl_divergence(
+    target_logits: jax.typing.ArrayLike,
+    drafter_logits: jax.typing.ArrayLike,
+    *,
+    where: jax.typing.ArrayLike | None = None,
+) -> jax.Array:
+    """``KL(p || q)`` in nats per position, ``p = softmax(target)``, ``q = softmax(drafter)``.
+
+    This is the direction the certificates use (and the usual distillation loss).
+
+    Args:
+      target_logits: ``[..., V]`` target logits.
+      drafter_logits: ``[..., V]`` drafter logits (same shape).
+      where: optional ``[...]`` bool mask; masked positions give exactly 0.
+
+    Returns:
+      ``[...]`` float32 (float64 for float64 input).
+
+    Raises:
+      ValueError: non-floating inputs or mismatched shapes.
+    """
+    d, t = _check_pair(drafter_logits, target_logits)
+    dtype = _compute_dtype(d, t)
+    mask, (d, t) = _masked(where, d.shape, d.astype(dtype), t.astype(dtype))
+    kl = _kl(t, d)
+    return kl if mask is None else jnp.where(mask, kl, 0.0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _certificate_value(target_logits, rule, top_k):
+    return certificate(target_logits, rule, top_k=top_k).value
+
+
+def _certificate_value_fwd(target_logits, rule, top_k):
+    cert = certificate(target_logits, rule, return_q=True, top_k=top_k)
+    return cert.value, (target_logits, cert.q_star, cert.level, cert.value)
+
+
+def _certificate_value_bwd(rule, top_k, residuals, cotangent):
+    del rule, top_k
+    target_logits, q_star, level, value = residuals
+    log_p = jax.nn.log_softmax(target_logits, axis=-1)
+    p = jnp.exp(log_p)
+    ok = jnp.isfinite(value) & (value > 0)
+    pooled = (q_star == level[..., None]) & (p > 0) & ok[..., None]
+    safe_level = jnp.where(ok, level, 1.0)
+    grad_p = jnp.where(pooled, log_p - jnp.log(safe_level)[..., None], 0.0)  # dC/dp
+    # Chain through p = softmax(z): dC/dz_j = p_j (g_j - sum_i p_i g_i).
+    mean = jnp.sum(p * grad_p, axis=-1, keepdims=True)
+    grad_z = p * (grad_p - mean)
+    ct = jnp.where(ok, cotangent, 0.0)
+    return (ct[..., None] * grad_z,)
+
+
+_certificate_value.defvjp(_certificate_value_fwd, _certificate_value_bwd)
+
+
+def certificate_value(
+    target_logits: jax.typing.ArrayLike, rule: rules_lib.Rule, *, top_k: int = DEFAULT_TOP_K
+) -> jax.Array:
+    """The certificate ``C_p`` (nats, ``[...]``) as a differentiable function of the target.
+
+    The gradient is the exact sensitivity of spec section 3, ``dC/dp_i = log(p_i / c)`` on
+    the pool and 0 elsewhere, chained through the softmax; it is 0 where ``C_p`` is 0 or
+    ``+inf``. See :func:`jaxcert.certificate` for the value itself.
+    """
+    return _certificate_value(jnp.asarray(target_logits), rule, top_k)
+
+
+def _excess(drafter_logits, target_logits, rule, margin, where, differentiate_target, top_k):
+    d, t = _check_pair(drafter_logits, target_logits)
+    dtype = _compute_dtype(d, t)
+    mask, (d, t) = _masked(where, d.shape, d.astype(dtype), t.astype(dtype))
+    if not differentiate_target:
+        t = jax.lax.stop_gradient(t)
+    kl = _kl(t, d)
+    c = _certificate_value(t, rule, top_k)
+    excess = kl - c + margin  # -inf where rejection is impossible
+    return excess, kl, c, mask
+
+
+def _finish(loss, mask):
+    return loss if mask is None else jnp.where(mask, loss, 0.0)
+
+
+def certificate_violation(
+    drafter_logits: jax.typing.ArrayLike,
+    target_logits: jax.typing.ArrayLike,
+    rule: rules_lib.Rule,
+    *,
+    margin: float = 0.0,
+    where: jax.typing.ArrayLike | None = None,
+    differentiate_target: bool = False,
+    top_k: int = DEFAULT_TOP_K,
+) -> jax.Array:
+    """Hinge on the certificate: ``relu(KL(p||q) - C_p + margin)`` per position.
+
+    The loss is 0 exactly where ``KL(p||q) <= C_p - margin``, i.e. where the drafter is
+    certified (with a safety margin) to be accepted by ``rule``.
+
+    Args:
+      drafter_logits: ``[..., V]`` drafter logits (the trained side).
+      target_logits: ``[..., V]`` target logits, same shape and vocabulary.
+      rule: a verification rule (:mod:`jaxcert.rules`).
+      margin: nats added to the excess; ``> 0`` asks for slack below the certificate.
+      where: optional ``[...]`` bool mask; masked positions give exactly 0 loss and 0
+        gradient (even if their logits are NaN).
+      differentiate_target: also differentiate w.r.t. the target logits (default: the
+        target is a constant, ``stop_gradient``).
+      top_k: solver window (see :func:`jaxcert.certificates`).
+
+    Returns:
+      ``[...]`` losses in nats, float32 (float64 for float64 input); no reduction over
+      positions. Positions where rejection is impossible (``C_p = +inf``) give 0 loss and 0
+      gradient.
+
+    Raises:
+      ValueError: non-floating inputs or mismatched shapes.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxcert
+      >>> target = jnp.log(jnp.array([[0.6, 0.3, 0.1]]))
+      >>> loss = lambda d: jaxcert.losses.certificate_violation(
+      ...     d, target, jaxcert.StrictGreedy()).mean()
+      >>> grads = jax.grad(loss)(jnp.log(jnp.array([[0.2, 0.7, 0.1]])))
+    """
+    excess, _, _, mask = _excess(
+        drafter_logits, target_logits, rule, margin, where, differentiate_target, top_k
+    )
+    return _finish(jax.nn.relu(excess), mask)
+
+
+def certificate_violation_softplus(
+    drafter_logits: jax.typing.ArrayLike,
+    target_logits: jax.typing.ArrayLike,
+    rule: rules_lib.Rule,
+    *,
+    temperature: float = 0.05,
+    margin: float = 0.0,
+    where: jax.typing.ArrayLike | None = None,
+    differentiate_target: bool = False,
+    top_k: int = DEFAULT_TOP_K,
+) -> jax.Array:
+    """Smooth hinge: ``temperature * softplus((KL - C_p + margin) / temperature)``.
+
+    Tends to :func:`certificate_violation` as ``temperature -> 0``; positive everywhere,
+    so certified positions still get a small push towards a larger slack. ``+inf``
+    certificates give exactly 0. Arguments and returns as :func:`certificate_violation`.
+
+    Raises:
+      ValueError: ``temperature <= 0``, or as :func:`certificate_violation`.
+    """
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    excess, _, _, mask = _excess(
+        drafter_logits, target_logits, rule, margin, where, differentiate_target, top_k
+    )
+    return _finish(temperature * jax.nn.softplus(excess / temperature), mask)
+
+
+def certificate_ratio(
+    drafter_logits: jax.typing.ArrayLike,
+    target_logits: jax.typing.ArrayLike,
+    rule: rules_lib.Rule,
+    *,
+    eps: float = 1e-3,
+    where: jax.typing.ArrayLike | None = None,
+    differentiate_target: bool = False,
+    top_k: int = DEFAULT_TOP_K,
+) -> jax.Array:
+    """Ratio form ``KL(p||q) / (C_p + eps)``: below 1 means certified (for ``eps -> 0``).
+
+    Scale-free across positions: a low-margin position (small ``C_p``) weighs more.
+    ``eps`` (nats, ``> 0``) keeps positions with ``C_p = 0`` finite. ``+inf`` certificates
+    give 0. Arguments and returns as :func:`certificate_violation`.
+
+    Raises:
+      ValueError: ``eps <= 0``, or as :func:`certificate_violation`.
+    """
+    if not eps > 0:
+        raise ValueError(f"eps must be > 0, got {eps}")
+    _, kl, c, mask = _excess(
+        drafter_logits, target_logits, rule, 0.0, where, differentiate_target, top_k
+    )
+    finite = jnp.isfinite(c)
+    ratio = kl / jnp.where(finite, c + eps, 1.0)
+    return _finish(jnp.where(finite, ratio, 0.0), mask)
+
+
+def cvar(
+    losses: jax.typing.ArrayLike,
+    alpha: float,
+    *,
+    where: jax.typing.ArrayLike | None = None,
+) -> jax.Array:
+    """Conditional value at risk: mean of the worst ``alpha``-fraction of the losses.
+
+    With ``n`` (unmasked) losses the worst ``alpha n`` are averaged; a fractional last
+    element is weighted by its fraction, so the result is continuous in ``alpha`` and
+    ``alpha = 1`` gives the plain mean. Gradients flow to the selected losses only.
+
+    Args:
+      losses: any shape; all entries are pooled.
+      alpha: fraction in ``(0, 1]``.
+      where: optional bool mask of the same shape; masked entries are ignored.
+
+    Returns:
+      A scalar (0 if every entry is masked).
+
+    Raises:
+      ValueError: ``alpha`` outside ``(0, 1]`` or a mask of another shape.
+    """
+    if not 0 < alpha <= 1:
+        raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+    flat = jnp.ravel(jnp.asarray(losses))
+    if where is None:
+        mask = jnp.ones(flat.shape, bool)
+    else:
+        where = jnp.asarray(where, bool)
+        if where.shape != jnp.shape(losses):
+            raise ValueError(f"where has shape {where.shape}, losses {jnp.shape(losses)}")
+        mask = jnp.ravel(where)
+    keyed = jnp.where(mask, flat, -jnp.inf)
+    order = jnp.argsort(-keyed)  # worst first; masked entries last
+    ranked = jnp.where(mask[order], flat[order], 0.0)
+    budget = alpha * jnp.sum(mask)
+    weights = jnp.clip(budget - jnp.arange(flat.size), 0.0, 1.0)
+    return jnp.sum(weights * ranked) / jnp.maximum(budget, 1e-12)

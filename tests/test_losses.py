@@ -1,0 +1,237 @@
+"""Certificate-violation losses: values, exact gradients, masks, jit/vmap/optax."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.test_util import check_grads
+
+from jaxcert import losses, reference
+from jaxcert import rules as R
+
+RULES = [
+    R.StrictGreedy(),
+    R.Additive(0.1),
+    R.Multiplicative(0.3),
+    R.TargetTopK(2),
+    R.Typical(0.5, 0.9),
+    R.TreeCoverage(3),
+    R.TreeCoverage(2, base=R.Additive(0.1)),
+]
+IDS = [r.spec for r in RULES]
+
+
+@pytest.fixture
+def x64():
+    with jax.enable_x64(True):
+        yield
+
+
+def _pair(seed, shape=(6, 9), scale=2.0, spread=1.5):
+    rng = np.random.default_rng(seed)
+    target = rng.normal(0, scale, shape)
+    drafter = target + rng.normal(0, spread, shape)
+    return jnp.asarray(drafter), jnp.asarray(target)
+
+
+@pytest.mark.parametrize("rule", RULES, ids=IDS)
+def test_value_matches_definition(rule, x64):
+    d, t = _pair(0)
+    got = np.asarray(losses.certificate_violation(d, t, rule, margin=0.01))
+    p = np.asarray(jax.nn.softmax(t))
+    q = np.asarray(jax.nn.softmax(d))
+    for row in range(p.shape[0]):
+        kl = np.sum(p[row] * np.log(p[row] / q[row]))
+        c = reference.certificate_np(p[row], rule).value
+        np.testing.assert_allclose(got[row], max(kl - c + 0.01, 0.0), rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("rule", RULES, ids=IDS)
+def test_gradients_drafter_side(rule, x64):
+    d, t = _pair(1)
+
+    def f(drafter):
+        return jnp.sum(losses.certificate_violation(drafter, t, rule, margin=0.05))
+
+    assert float(f(d)) > 0  # the hinge is active on some rows
+    check_grads(f, (d,), order=1, modes=["rev"], eps=1e-6, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("rule", RULES, ids=IDS)
+def test_gradients_target_side(rule, x64):
+    d, t = _pair(2)
+
+    def f(target):
+        return jnp.sum(
+            losses.certificate_violation(d, target, rule, margin=0.05, differentiate_target=True)
+        )
+
+    check_grads(f, (t,), order=1, modes=["rev"], eps=1e-6, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("rule", RULES, ids=IDS)
+def test_certificate_sensitivity_is_exact(rule, x64):
+    _, t = _pair(3)
+    check_grads(
+        lambda z: jnp.sum(jnp.where(jnp.isfinite(v := losses.certificate_value(z, rule)), v, 0)),
+        (t,), order=1, modes=["rev"], eps=1e-6, atol=1e-7, rtol=1e-6,
+    )  # fmt: skip
+
+
+def test_smooth_variants_and_ratio(x64):
+    d, t = _pair(4)
+    rule = R.TreeCoverage(2)
+    hinge = losses.certificate_violation(d, t, rule)
+    for temperature in (1e-1, 1e-3):
+        soft = losses.certificate_violation_softplus(d, t, rule, temperature=temperature)
+        assert np.all(np.asarray(soft) >= np.asarray(hinge))
+        np.testing.assert_allclose(soft, hinge, atol=temperature * np.log(2) + 1e-12)
+    check_grads(lambda a: jnp.sum(losses.certificate_violation_softplus(a, t, rule)), (d,),
+                order=1, modes=["rev"], eps=1e-6, atol=1e-6, rtol=1e-6)  # fmt: skip
+    ratio = np.asarray(losses.certificate_ratio(d, t, rule, eps=1e-3))
+    kl = np.asarray(losses.kl_divergence(t, d))
+    c = np.asarray(losses.certificate_value(t, rule))
+    np.testing.assert_allclose(ratio, kl / (c + 1e-3), rtol=1e-12)
+    check_grads(lambda a: jnp.sum(losses.certificate_ratio(a, t, rule)), (d,),
+                order=1, modes=["rev"], eps=1e-6, atol=1e-6, rtol=1e-6)  # fmt: skip
+
+
+def test_zero_iff_certified_with_margin(x64):
+    d, t = _pair(5, shape=(40, 7), spread=0.4)
+    rule = R.StrictGreedy()
+    kl = np.asarray(losses.kl_divergence(t, d))
+    c = np.asarray(losses.certificate_value(t, rule))
+    for margin in (0.0, 0.02):
+        loss = np.asarray(losses.certificate_violation(d, t, rule, margin=margin))
+        np.testing.assert_array_equal(loss == 0, kl <= c - margin)
+        assert 0 < np.mean(loss == 0) < 1  # both cases occur
+
+
+def test_mask_gives_exact_zero_value_and_gradient():
+    d, t = _pair(6)
+    d = d.astype(jnp.float32).at[2].set(jnp.nan)
+    t = t.astype(jnp.float32).at[4].set(jnp.inf)
+    mask = jnp.array([True, True, False, True, False, True])
+    rule = R.TreeCoverage(2, base=R.Typical())
+    for fn in (losses.certificate_violation, losses.certificate_violation_softplus,
+               losses.certificate_ratio):  # fmt: skip
+        value = fn(d, t, rule, where=mask)
+        assert np.all(np.asarray(value)[[2, 4]] == 0) and np.all(np.isfinite(value))
+        gd, gt = jax.grad(
+            lambda a, b, fn=fn: jnp.sum(fn(a, b, rule, where=mask, differentiate_target=True)),
+            argnums=(0, 1),
+        )(d, t)
+        assert np.all(np.isfinite(gd)) and np.all(np.isfinite(gt))
+        assert np.all(np.asarray(gd)[[2, 4]] == 0) and np.all(np.asarray(gt)[[2, 4]] == 0)
+    unmasked = losses.certificate_violation(
+        d[jnp.array([0, 1, 3, 5])], t[jnp.array([0, 1, 3, 5])], rule
+    )
+    np.testing.assert_allclose(
+        np.asarray(losses.certificate_violation(d, t, rule, where=mask))[[0, 1, 3, 5]], unmasked
+    )
+
+
+def test_infinite_certificate_gives_zero_loss_and_gradient():
+    # Additive 0.6: with p(x0) < 0.6 every token is accepted, C = +inf.
+    t = jnp.log(jnp.array([[0.4, 0.35, 0.25]]))
+    d = jnp.log(jnp.array([[0.05, 0.05, 0.9]]))
+    rule = R.Additive(0.6)
+    assert np.isinf(float(losses.certificate_value(t, rule)[0]))
+    for fn in (losses.certificate_violation, losses.certificate_violation_softplus,
+               losses.certificate_ratio):  # fmt: skip
+        assert float(fn(d, t, rule)[0]) == 0.0
+        gd, gt = jax.grad(lambda a, b, fn=fn: jnp.sum(fn(a, b, rule, differentiate_target=True)),
+                          argnums=(0, 1))(d, t)  # fmt: skip
+        assert np.all(np.asarray(gd) == 0) and np.all(np.asarray(gt) == 0)
+
+
+@pytest.mark.parametrize("kind", ["peaked", "near-tie", "zero-prob"])
+def test_gradients_finite_on_extreme_inputs(kind):
+    rng = np.random.default_rng(7)
+    t = rng.normal(0, 1, (4, 12)).astype(np.float32)
+    if kind == "peaked":
+        t[:, 0] += 40.0
+    elif kind == "near-tie":
+        t[:, 1] = t[:, 0] = t.max(axis=1) + 1.0
+        t[:, 1] += 1e-6
+    else:
+        t[:, 5:] = -np.inf
+    d = rng.normal(0, 1, (4, 12)).astype(np.float32)
+    for rule in RULES:
+        gd, gt = jax.grad(
+            lambda a, b, rule=rule: jnp.sum(
+                losses.certificate_violation(a, b, rule, differentiate_target=True)
+            ),
+            argnums=(0, 1),
+        )(jnp.asarray(d), jnp.asarray(t))
+        assert np.all(np.isfinite(gd)) and np.all(np.isfinite(gt)), (rule, kind)
+
+
+def test_bfloat16_jit_and_vmap():
+    d, t = _pair(8, shape=(3, 4, 20))
+    rule = R.TreeCoverage(2)
+    ref = losses.certificate_violation(d.astype(jnp.float32), t.astype(jnp.float32), rule)
+    got = losses.certificate_violation(d.astype(jnp.bfloat16), t.astype(jnp.bfloat16), rule)
+    assert got.dtype == jnp.float32 and got.shape == (3, 4)
+    np.testing.assert_allclose(got, ref, atol=0.05)
+    grad = jax.grad(
+        lambda a: jnp.sum(losses.certificate_violation(a, t.astype(jnp.bfloat16), rule))
+    )(d.astype(jnp.bfloat16))
+    assert grad.dtype == jnp.bfloat16
+    d32, t32 = d.astype(jnp.float32), t.astype(jnp.float32)
+    jitted = jax.jit(lambda a, b: losses.certificate_violation(a, b, rule))(d32, t32)
+    mapped = jax.vmap(lambda a, b: losses.certificate_violation(a, b, rule))(d32, t32)
+    np.testing.assert_allclose(jitted, ref, rtol=1e-6)
+    np.testing.assert_allclose(mapped, ref, rtol=1e-5, atol=1e-7)
+
+
+def test_cvar():
+    x = jnp.array([1.0, 5.0, 3.0, 2.0, 4.0])
+    np.testing.assert_allclose(losses.cvar(x, 0.4), 4.5)
+    np.testing.assert_allclose(losses.cvar(x, 1.0), 3.0)
+    np.testing.assert_allclose(losses.cvar(x, 0.3), (5.0 + 0.5 * 4.0) / 1.5)
+    mask = jnp.array([True, False, True, True, True])
+    np.testing.assert_allclose(losses.cvar(x, 0.5, where=mask), 3.5)
+    grad = jax.grad(lambda a: losses.cvar(a, 0.4))(x)
+    np.testing.assert_allclose(grad, [0, 0.5, 0, 0, 0.5])
+    with pytest.raises(ValueError):
+        losses.cvar(x, 0.0)
+
+
+def test_bad_inputs_raise():
+    with pytest.raises(ValueError, match="same shape"):
+        losses.certificate_violation(jnp.zeros((2, 5)), jnp.zeros((2, 6)), R.StrictGreedy())
+    with pytest.raises(ValueError, match="floating"):
+        losses.certificate_violation(jnp.zeros((2, 5), int), jnp.zeros((2, 5)), R.StrictGreedy())
+    with pytest.raises(ValueError, match="temperature"):
+        losses.certificate_violation_softplus(jnp.zeros(3), jnp.zeros(3), R.StrictGreedy(),
+                                              temperature=0.0)  # fmt: skip
+
+
+def test_optax_steps_reduce_violation():
+    rng = np.random.default_rng(9)
+    target = jnp.asarray(rng.normal(0, 2, (16, 30)), jnp.float32)
+    params = {"logits": jnp.asarray(rng.normal(0, 2, (16, 30)), jnp.float32)}
+    rule = R.TreeCoverage(2)
+    optimizer = optax.adam(0.05)
+    opt_state = optimizer.init(params)
+
+    def loss_fn(p):
+        return jnp.mean(losses.certificate_violation(p["logits"], target, rule, margin=0.05))
+
+    @jax.jit
+    def step(p, s):
+        loss, grads = jax.value_and_grad(loss_fn)(p)
+        updates, s = optimizer.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, loss
+
+    history = []
+    for _ in range(30):
+        params, opt_state, loss = step(params, opt_state)
+        history.append(float(loss))
+    assert history[0] > 0.1
+    assert all(b < a for a, b in zip(history[:10], history[1:11], strict=True)), history
+    assert history[-1] < 0.5 * history[0], history
