@@ -1,7 +1,6 @@
 """jaxcert: exact acceptance certificates, speculative decoding and certificate losses."""
 
 from jaxcert import losses
-
 from jaxcert.bounds import (
     certified_run_length,
     greedy_margin_bounds,
