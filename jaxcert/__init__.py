@@ -19,12 +19,14 @@ from jaxcert.rules import (
     parse_rules,
 )
 from jaxcert.solver import DEFAULT_TOP_K, Certificate, certificate, certificates
+from jaxcert.stats import DistributionStats, distribution_stats
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Additive",
     "Certificate",
+    "DistributionStats",
     "DEFAULT_TOP_K",
     "Multiplicative",
     "Rule",
@@ -36,6 +38,7 @@ __all__ = [
     "losses",
     "certificates",
     "certified_run_length",
+    "distribution_stats",
     "greedy_margin_bounds",
     "tree_margin_lower_bound",
     "tree_margin_upper_bound",

@@ -40,6 +40,8 @@ def _read_jsonl(path: pathlib.Path, turn: int) -> list[Prompt]:
             if not isinstance(record, dict):
                 raise ValueError(f"{path}:{number}: expected a JSON object per line")
             if isinstance(record.get("prompt"), str):
+                if turn > 0:  # a single-turn record has no later turn
+                    continue
                 text = record["prompt"]
             elif isinstance(record.get("turns"), list) and record["turns"]:
                 if turn >= len(record["turns"]):
@@ -62,7 +64,8 @@ def load_prompts(source: str, *, turn: int = 0, max_prompts: int | None = None) 
     """Loads prompts from ``'mtbench'`` (fetched from the registry) or a JSONL file.
 
     Each JSONL line is an object with a string ``prompt`` or a list ``turns`` (the
-    ``turn``-th entry is used; lines with fewer turns are skipped), and optional ``id``
+    ``turn``-th entry is used; records with fewer turns, and ``prompt`` records when
+    ``turn > 0``, are skipped), and optional ``id``
     / ``question_id`` and ``category``.
 
     Args:

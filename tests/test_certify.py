@@ -1,0 +1,180 @@
+"""The certification pipeline and ``jaxcert certify`` on a tiny model built by the test."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import tiny_lm
+from flax import nnx
+
+import jaxcert
+import models
+from jaxcert import certify, cli, prompts, report
+from jaxcert import rules as R
+
+RULES = (R.StrictGreedy(), R.Additive(0.3), R.Typical(), R.TreeCoverage(2),
+         R.TreeCoverage(2, base=R.Multiplicative(0.5)))  # fmt: skip
+TEXTS = ["the cat sat on the mat.", "an otter", "he is in the water, a big one!", "a, b?", "on"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return tiny_lm.save_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def lm(checkpoint):
+    return models.load(str(checkpoint))
+
+
+@pytest.fixture
+def prompt_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    lines = [json.dumps({"id": f"p{i}", "prompt": t, "category": "c"}) for i, t in enumerate(TEXTS)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _teacher_forced_logits(lm, ids):
+    """Logits at every generated position from one fresh prefill of prompt + continuation."""
+    graphdef, state = nnx.split(lm.model)
+    cache = models.KVCache.create(lm.config, 1, len(ids) + 1)
+    logits, _ = models.forward(graphdef, state, jnp.asarray([ids], jnp.int32), cache)
+    return np.asarray(logits[0])
+
+
+def test_pipeline_matches_an_unbatched_teacher_forced_reference(lm):
+    prompt_set = [prompts.Prompt(str(i), t) for i, t in enumerate(TEXTS)]
+    options = certify.CertifyOptions(steps=9, batch_size=2, chunk=4, stop_at_eos=False)
+    table, info = certify.certify_prompts(lm, prompt_set, RULES, options)
+    assert info["prompts_used"] == len(TEXTS)
+    assert table.num_rows == len(TEXTS) * 9
+    encoded = prompts.encode_prompts(lm.tokenizer, prompt_set)
+    rows = table.to_pydict()
+    for i, ids in enumerate(encoded):
+        mine = [r for r in range(table.num_rows) if rows["prompt_id"][r] == str(i)]
+        assert [rows["position"][r] for r in mine] == list(range(9))
+        generated = [rows["token"][r] for r in mine]
+        full = _teacher_forced_logits(lm, ids + generated)
+        logits = full[len(ids) - 1 : len(ids) - 1 + 9]
+        np.testing.assert_array_equal(generated, np.argmax(logits, -1))
+        certs = jaxcert.certificates(jnp.asarray(logits), RULES)
+        for rule, cert in zip(RULES, certs, strict=True):
+            got = np.array([rows[certify.rule_column(rule)][r] for r in mine])
+            np.testing.assert_allclose(got, cert.value, rtol=2e-4, atol=1e-6)
+        stats = jaxcert.stats.distribution_stats(jnp.asarray(logits))
+        np.testing.assert_allclose([rows["top1"][r] for r in mine], stats.top1, rtol=1e-4)
+        np.testing.assert_allclose([rows["entropy"][r] for r in mine], stats.entropy, rtol=1e-4)
+
+
+def test_stop_at_eos_and_min_prompt_tokens(lm):
+    prompt_set = [prompts.Prompt(str(i), t) for i, t in enumerate(TEXTS)]
+    lengths = [len(x) for x in prompts.encode_prompts(lm.tokenizer, prompt_set)]
+    cutoff = sorted(lengths)[2]
+    options = certify.CertifyOptions(steps=20, batch_size=3, chunk=8, min_prompt_tokens=cutoff)
+    table, info = certify.certify_prompts(lm, prompt_set, RULES[:1], options)
+    assert info["prompts_used"] == sum(n >= cutoff for n in lengths)
+    eos = set(lm.config.eos_token_ids)
+    rows = table.to_pydict()
+    for pid in set(rows["prompt_id"]):
+        tokens = [t for p, t in zip(rows["prompt_id"], rows["token"], strict=True) if p == pid]
+        assert not any(t in eos for t in tokens[:-1])  # nothing recorded after an end of turn
+    with pytest.raises(ValueError, match="no prompt has at least"):
+        certify.certify_prompts(
+            lm, prompt_set, RULES, certify.CertifyOptions(min_prompt_tokens=10_000)
+        )
+
+
+def test_cli_certify_writes_tables_and_plots(checkpoint, prompt_file, tmp_path, capsys):
+    out = tmp_path / "run"
+    rc = cli.main(["certify", "--target", str(checkpoint), "--prompts", str(prompt_file),
+                   "--rules", "greedy,tree:2,typical", "--steps", "5", "--batch-size", "2",
+                   "--max-prompts", "3", "--ignore-eos", "--out", str(out)])  # fmt: skip
+    assert rc == 0
+    table = pq.read_table(out / "positions.parquet")
+    assert table.num_rows == 15
+    assert {"cert_greedy", "cert_tree:2", "cert_typical", "margin", "top10_coverage"} <= set(
+        table.column_names
+    )
+    summary = (out / "summary.md").read_text()
+    assert "| cert_tree:2 |" in summary and "eps=0.1" in summary
+    assert (out / "certificate_cdf.png").stat().st_size > 1000
+    assert (out / "certificate_vs_margin.png").stat().st_size > 1000
+    meta = json.loads((out / "run.json").read_text())
+    assert meta["status"] == "ok" and meta["positions"] == 15
+    assert "cert_greedy" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ({"--rules": "greedy,bogus:1"}, "unknown rule"),
+        ({"--rules": "additive:2"}, "Additive.t"),
+        ({"--prompts": "/nonexistent/prompts.jsonl"}, "not found"),
+        ({"--target": "/nonexistent/model"}, "Cannot load"),
+    ],
+    ids=["unknown-rule", "bad-parameter", "missing-prompts", "missing-model"],
+)
+def test_cli_errors_are_clear(override, message, checkpoint, prompt_file, tmp_path, capsys):
+    flags = {"--target": str(checkpoint), "--prompts": str(prompt_file), "--steps": "2",
+             "--out": str(tmp_path / "o")} | override  # fmt: skip
+    args = ["certify"] + [item for pair in flags.items() for item in pair]
+    assert cli.main(args) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_load_prompts_formats_and_errors(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text(
+        '{"question_id": 7, "category": "math", "turns": ["first", "second"]}\n\n'
+        '{"prompt": "plain"}\n{"turns": ["only one"]}\n'
+    )
+    got = prompts.load_prompts(str(path))
+    assert [(p.id, p.text, p.category) for p in got] == [
+        ("7", "first", "math"), ("3", "plain", None), ("4", "only one", None)
+    ]  # fmt: skip
+    assert [p.text for p in prompts.load_prompts(str(path), turn=1)] == ["second"]
+    assert len(prompts.load_prompts(str(path), max_prompts=2)) == 2
+    path.write_text('{"prompt": "ok"}\n{"prompt": 3}\n')
+    with pytest.raises(ValueError, match=r"p.jsonl:2"):
+        prompts.load_prompts(str(path))
+    path.write_text('{"prompt": "ok"}\nnot json\n')
+    with pytest.raises(ValueError, match=r"p.jsonl:2: invalid JSON"):
+        prompts.load_prompts(str(path))
+    with pytest.raises(FileNotFoundError):
+        prompts.load_prompts(str(tmp_path / "missing.jsonl"))
+
+
+def test_summary_handles_infinite_certificates_and_runs():
+    table = pa.table({
+        "prompt_id": ["a", "a", "a", "b", "b"],
+        "position": [0, 1, 2, 0, 1],
+        "cert": [0.5, math.inf, 0.01, 0.2, 0.3],
+    })  # fmt: skip
+    (row,) = report.summarize(table, ["cert"])
+    assert row["inf_share"] == pytest.approx(0.2)
+    assert row["mean"] == pytest.approx((0.5 + 0.01 + 0.2 + 0.3) / 4)
+    assert row["median"] == pytest.approx(0.3)
+    (runs,) = report.run_lengths(table, ["cert"], budgets=(0.1, 0.25))
+    # eps=0.1: a -> [2, 1, 0], b -> [2, 1]; eps=0.25: a -> [2, 1, 0], b -> [1, 1]... b: 0.2<0.25
+    assert runs["eps=0.1"] == pytest.approx((2 + 1 + 0 + 2 + 1) / 5)
+    assert runs["eps=0.25"] == pytest.approx((2 + 1 + 0 + 0 + 1) / 5)
+    assert "| cert |" in report.markdown_table([row])
+
+
+def test_distribution_stats_by_hand():
+    p = jnp.array([[0.5, 0.2, 0.2, 0.1], [0.25, 0.25, 0.25, 0.25]])
+    st = jaxcert.stats.distribution_stats(jnp.log(p), top=2)
+    np.testing.assert_allclose(st.top1, [0.5, 0.25], rtol=1e-6)
+    np.testing.assert_allclose(st.top_coverage, [0.7, 0.5], rtol=1e-6)
+    np.testing.assert_allclose(st.margin, [0.3, 0.0], atol=1e-7)
+    np.testing.assert_allclose(st.entropy, -np.sum(np.asarray(p) * np.log(p), -1), rtol=1e-6)
+    np.testing.assert_array_equal(st.greedy_token, [0, 0])
+    assert jax.jit(jaxcert.stats.distribution_stats)(jnp.log(p)).top1.shape == (2,)
