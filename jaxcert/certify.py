@@ -159,19 +159,24 @@ def certify_prompts(
     done = 0
     tables = []
     timings = {"prefill_s": 0.0, "decode_s": 0.0}
+    # One prompt width and one cache size for every batch (the last batch is padded with
+    # copies of a prompt whose rows are dropped), so each jitted function compiles once.
+    width = -(-max(len(encoded[i]) for i in order) // 16) * 16
+    cache_length = width + chunks * options.chunk + 1
+    rows = min(options.batch_size, len(order))
     for batch in _batches(order, options.batch_size):
         ids = [encoded[i] for i in batch]
+        ids += [ids[0]] * (rows - len(ids))
         lengths = np.array([len(x) for x in ids], np.int32)
-        width = int(lengths.max())
-        tokens = np.zeros((len(ids), width), np.int32)
+        tokens = np.zeros((rows, width), np.int32)
         for row, seq in enumerate(ids):
             tokens[row, : len(seq)] = seq
-        cache = _new_cache(lm, len(ids), width + chunks * options.chunk + 1)
+        cache = _new_cache(lm, rows, cache_length)
         t0 = time.perf_counter()
         logits, cache = _prefill(graphdef, state, jnp.asarray(tokens), jnp.asarray(lengths), cache)
         logits.block_until_ready()
         timings["prefill_s"] += time.perf_counter() - t0
-        active = jnp.ones(len(ids), bool)
+        active = jnp.asarray(np.arange(rows) < len(batch))
         parts = []
         for _ in range(chunks):
             t0 = time.perf_counter()
@@ -187,7 +192,7 @@ def certify_prompts(
             if options.stop_at_eos and not np.any(jax.device_get(active)):
                 done += (chunks - len(parts)) * options.chunk
                 break
-        table = _batch_table(parts, batch, prompts, lengths, rules, options)
+        table = _batch_table(parts, batch, prompts, lengths[: len(batch)], rules, options)
         tables.append(table)
         if on_batch is not None:
             on_batch(table)
@@ -230,8 +235,9 @@ def _batch_table(parts, batch, prompts, lengths, rules, options) -> pa.Table:
     }
     for r, rule in enumerate(rules):
         columns[rule_column(rule)] = np.concatenate([v[r] for v in values], axis=0)
-    keep = active if options.stop_at_eos else np.ones_like(active)
+    keep = active.copy() if options.stop_at_eos else np.ones_like(active)
     keep[options.steps :] = False
+    keep[:, len(batch) :] = False  # rows that only pad the last batch
     pos, row = np.nonzero(keep)  # step-major
     out = {
         "prompt_order": np.asarray(batch)[row],
