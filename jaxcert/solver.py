@@ -106,17 +106,13 @@ def _prepare(x: jax.Array, window: int, need_entropy: bool) -> _Prepared:
     # Keep the normalisation independent of top_k's outputs: on CPU, XLA fuses a reduction
     # that reads top_k's result into a loop that recomputes it (100x slower).
     x_max = jnp.max(x, axis=-1)
-    shifted = x - x_max[:, None]
-    e = jnp.exp(shifted)
-    total = jnp.sum(e, axis=-1)
+    total = jnp.sum(jnp.exp(x - x_max[:, None]), axis=-1)
     lse = x_max + jnp.log(total)
     # NaN propagates into lse, +inf and an all -inf row make x_max non-finite.
     valid = jnp.isfinite(lse) & jnp.isfinite(x_max)
     entropy = None
     if need_entropy:
-        # H = log S - sum(e (x - max)) / S with e = exp(x - max), S = sum(e).
-        weighted = jnp.sum(jnp.where(e > 0, e * shifted, 0.0), axis=-1)
-        entropy = jnp.log(total) - weighted / total
+        entropy = _numerics.entropy(x, x_max, total)
     top_x, top_i = _numerics.top_k(x, window)
     return _Prepared(x, valid, top_x, top_i.astype(jnp.int32), top_x[:, 0] - lse, entropy)
 

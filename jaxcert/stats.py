@@ -51,10 +51,10 @@ def distribution_stats(logits: jax.typing.ArrayLike, *, top: int = 10) -> Distri
         raise ValueError(f"top must be >= 1, got {top}")
     x = x.astype(jnp.float64 if x.dtype == jnp.float64 else jnp.float32)
     vals, idx = _numerics.top_k(x, min(max(top, 2), x.shape[-1]))
-    lse = jax.nn.logsumexp(x, axis=-1)
-    log_p = x - lse[..., None]
-    p = jnp.exp(log_p)
-    entropy = -jnp.sum(jnp.where(p > 0, p * log_p, 0.0), axis=-1)
+    x_max = jnp.max(x, axis=-1)
+    total = jnp.sum(jnp.exp(x - x_max[..., None]), axis=-1)
+    lse = x_max + jnp.log(total)
+    entropy = _numerics.entropy(x, x_max, total)
     top1 = jnp.exp(vals[..., 0] - lse)
     second = vals[..., 1] if vals.shape[-1] > 1 else jnp.full_like(top1, -jnp.inf)
     return DistributionStats(
