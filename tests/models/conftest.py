@@ -4,13 +4,9 @@ from __future__ import annotations
 
 import os
 import pathlib
-import sys
 
 import pytest
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-
-import tiny_models  # noqa: E402
+import tiny_models  # importable through tests/conftest.py
 
 
 @pytest.fixture(scope="session")
@@ -31,32 +27,45 @@ def hf_case(tmp_path_factory):
     return get
 
 
-def _asset_roots() -> list[pathlib.Path]:
-    roots = []
-    if os.environ.get("JAXCERT_CACHE"):
-        roots.append(pathlib.Path(os.environ["JAXCERT_CACHE"]))
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    roots.append(pathlib.Path(xdg) / "jaxcert")
-    return roots
+@pytest.fixture(scope="session")
+def np_case(tmp_path_factory):
+    """`np_case(name) -> (checkpoint folder, LoadedModel, HF tensors)` without torch."""
+    from models import load_hf
+
+    built = {}
+
+    def get(name: str):
+        if name not in built:
+            path = tmp_path_factory.mktemp(f"np-{name}")
+            tensors = tiny_models.numpy_checkpoint(name, path)
+            built[name] = (path, load_hf(path), tensors)
+        return built[name]
+
+    return get
 
 
 @pytest.fixture
 def real_asset():
-    """`real_asset(name) -> path` of a cached real GGUF asset, or skip the test.
+    """`real_asset(name) -> path` of a cached real asset, or skip the test (never downloads).
 
-    Looks for `$JAXCERT_ASSET_<NAME>` (name upper-cased, non-alphanumerics as `_`), then for
-    `<name>*.gguf` anywhere under `$JAXCERT_CACHE` or `$XDG_CACHE_HOME/jaxcert`. Never downloads.
+    `$JAXCERT_ASSET_<NAME>` (name upper-cased, non-alphanumerics as `_`) overrides; otherwise
+    `jaxcert.assets.cached_path(name)`, i.e. the verified file under `$JAXCERT_CACHE`.
     """
 
     def find(name: str) -> pathlib.Path:
         env = "JAXCERT_ASSET_" + "".join(c if c.isalnum() else "_" for c in name.upper())
-        if os.environ.get(env) and pathlib.Path(os.environ[env]).is_file():
+        if os.environ.get(env):
+            if not pathlib.Path(os.environ[env]).is_file():
+                pytest.fail(f"{env}={os.environ[env]} is not a file")
             return pathlib.Path(os.environ[env])
-        for root in _asset_roots():
-            if root.is_dir():
-                hits = sorted(p for p in root.rglob(f"{name}*.gguf") if "dequant" not in p.parts)
-                if hits:
-                    return hits[0]
-        pytest.skip(f"real asset {name!r} not cached (set {env} or fetch it first)")
+        try:
+            from jaxcert import assets
+
+            path = assets.cached_path(name)
+        except ImportError:
+            path = None
+        if path is None:
+            pytest.skip(f"real asset {name!r} is not cached (jaxcert fetch {name}, or set {env})")
+        return path
 
     return find

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models._weights import hf_layout
 from models.config import ModelConfig
 from models.transformer import Transformer
 
@@ -106,14 +107,12 @@ def torch_model(name: str, seed: int = 0):
     import torch
     import transformers
 
-    kwargs = dict(HF_CONFIGS[name])
-    arch = kwargs.pop("model_type")
-    config_cls, model_cls = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
-    }[arch]
-    config = config_cls(**kwargs, eos_token_id=TOKENS.index("<|im_end|>"))
+    model_cls = {
+        "llama": transformers.LlamaForCausalLM,
+        "qwen2": transformers.Qwen2ForCausalLM,
+        "qwen3": transformers.Qwen3ForCausalLM,
+    }[HF_CONFIGS[name]["model_type"]]
+    config = hf_config(name)
     torch.manual_seed(seed)
     model = model_cls._from_config(config, attn_implementation="eager").float().eval()
     with torch.no_grad():
@@ -138,6 +137,39 @@ def save_checkpoint(model, path: pathlib.Path) -> pathlib.Path:
     model.save_pretrained(path, safe_serialization=True)
     hf_tokenizer().save_pretrained(path)
     return path
+
+
+def hf_config(name: str):
+    """The transformers config object of a case (no torch needed)."""
+    import transformers
+
+    kwargs = dict(HF_CONFIGS[name])
+    config_cls = {
+        "llama": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+    }[kwargs.pop("model_type")]
+    return config_cls(**kwargs, eos_token_id=TOKENS.index("<|im_end|>"))
+
+
+def numpy_checkpoint(name: str, path: pathlib.Path, seed: int = 0) -> dict[str, np.ndarray]:
+    """Writes a torch-free checkpoint folder (config, random O(1) weights, tokenizer).
+
+    Returns:
+      The Hugging Face-named float32 tensors that were saved.
+    """
+    import safetensors.numpy
+
+    config = hf_config(name)
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for tensor, (_, shape) in hf_layout(ModelConfig.from_hf(config)).items():
+        noise = rng.standard_normal(shape).astype(np.float32)
+        tensors[tensor] = 1.0 + 0.1 * noise if tensor.endswith("norm.weight") else 0.2 * noise
+    config.save_pretrained(path)
+    safetensors.numpy.save_file(tensors, path / "model.safetensors")
+    hf_tokenizer().save_pretrained(path)
+    return tensors
 
 
 def random_model(config: ModelConfig, seed: int = 0, **kw) -> Transformer:

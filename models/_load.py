@@ -1,0 +1,47 @@
+"""`load`: one entry point for checkpoint folders, GGUF files and asset names."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import jax.numpy as jnp
+
+from models._weights import LoadedModel
+from models.gguf import load_gguf
+from models.hf import load_hf
+
+
+def load(name_or_path: str | os.PathLike, *, dtype=jnp.float32) -> LoadedModel:
+    """Loads a model from a Hugging Face folder, a `.gguf` file, or a `jaxcert.assets` name.
+
+    Args:
+      name_or_path: a checkpoint directory (`load_hf`), a `.gguf` file (`load_gguf`), or an
+        asset name such as 'qwen2.5-coder-0.5b-instruct' (fetched with `jaxcert.assets.fetch`,
+        then `load_gguf`).
+      dtype: parameter and compute dtype.
+
+    Raises:
+      ValueError: nothing could be loaded (not a folder or `.gguf` file, and not an asset
+        `jaxcert.assets.fetch` knows or can fetch); the message lists what was tried.
+    """
+    path = pathlib.Path(name_or_path).expanduser()
+    if path.is_dir():
+        return load_hf(path, dtype=dtype)
+    if path.is_file() and path.suffix == ".gguf":
+        return load_gguf(path, dtype=dtype)
+    tried = [f"directory {str(path)!r}: not found", f"GGUF file {str(path)!r}: not found"]
+    if path.is_file():
+        tried[1] = f"file {str(path)!r}: not a .gguf file"
+    try:
+        from jaxcert import assets
+    except ImportError as e:
+        tried.append(f"asset name: jaxcert.assets unavailable ({e})")
+    else:
+        try:
+            fetched = assets.fetch(str(name_or_path))
+        except Exception as e:  # jaxcert.assets.AssetError: unknown name, download failure
+            tried.append(f"asset {str(name_or_path)!r}: {e}")
+        else:
+            return load_gguf(fetched, dtype=dtype)
+    raise ValueError(f"Cannot load {str(name_or_path)!r}; tried: " + "; ".join(tried) + ".")

@@ -1,0 +1,85 @@
+"""Load a Hugging Face checkpoint folder (config.json, tokenizer, safetensors weights)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from collections.abc import Iterator, Mapping
+
+import jax.numpy as jnp
+import numpy as np
+import safetensors
+
+from models._weights import LoadedModel, model_from_tensors
+from models.config import ModelConfig
+
+_SINGLE = "model.safetensors"
+_INDEX = "model.safetensors.index.json"
+
+
+class SafetensorsFolder(Mapping):
+    """Lazy name -> numpy array view of a single or sharded safetensors checkpoint.
+
+    bfloat16 tensors come back as `ml_dtypes.bfloat16` numpy arrays.
+
+    Raises:
+      ValueError: the folder has neither `model.safetensors` nor `model.safetensors.index.json`,
+        or the index names a missing shard.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        path = pathlib.Path(path)
+        if (path / _INDEX).is_file():
+            weight_map = json.loads((path / _INDEX).read_text())["weight_map"]
+            self._where = {name: path / shard for name, shard in weight_map.items()}
+        elif (path / _SINGLE).is_file():
+            with safetensors.safe_open(path / _SINGLE, framework="numpy") as f:
+                self._where = {name: path / _SINGLE for name in f.keys()}
+        else:
+            raise ValueError(f"{path}: no {_SINGLE} or {_INDEX} (only safetensors is supported).")
+        for shard in sorted(set(self._where.values())):
+            if not shard.is_file():
+                raise ValueError(f"{path}: shard {shard.name} named in {_INDEX} is missing.")
+        self._path = path
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self._where:
+            raise KeyError(name)
+        with safetensors.safe_open(self._where[name], framework="numpy") as f:
+            return f.get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+def load_hf(path: str | os.PathLike, *, dtype=jnp.float32) -> LoadedModel:
+    """Loads a llama / qwen2 / qwen3 checkpoint folder saved by `save_pretrained`.
+
+    Args:
+      path: folder with `config.json`, a tokenizer `AutoTokenizer` can load, and
+        `model.safetensors` or sharded `model-*.safetensors` + `model.safetensors.index.json`.
+      dtype: parameter and compute dtype (bfloat16 weights are converted).
+
+    Returns:
+      A `LoadedModel`.
+
+    Raises:
+      ValueError: not a folder, unsupported config (see `ModelConfig.from_hf`), a tokenizer that
+        does not load, or missing / unexpected / misshapen tensors (named).
+    """
+    import transformers
+
+    path = pathlib.Path(path)
+    if not path.is_dir():
+        raise ValueError(f"{path}: not a Hugging Face checkpoint folder.")
+    config = ModelConfig.from_hf(transformers.AutoConfig.from_pretrained(path))
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    except Exception as e:
+        raise ValueError(f"{path}: cannot load the tokenizer ({e}).") from e
+    model = model_from_tensors(config, SafetensorsFolder(path), dtype=dtype, source=str(path))
+    return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=path)
