@@ -229,6 +229,21 @@ class Transformer(nnx.Module):
         Raises:
           ValueError: inconsistent shapes or dtypes (at trace time).
         """
+        hidden, new_cache = self.features(
+            tokens, cache, positions=positions, attention_mask=attention_mask
+        )
+        logits = self.project(hidden)
+        return (logits, new_cache, hidden) if return_hidden else (logits, new_cache)
+
+    def features(
+        self,
+        tokens: jax.Array,
+        cache: KVCache,
+        *,
+        positions: jax.Array | None = None,
+        attention_mask: jax.Array | None = None,
+    ) -> tuple[jax.Array, KVCache]:
+        """`__call__` without the lm_head: `(hidden [B, T, E], cache)` (final-norm output)."""
         tokens = jnp.asarray(tokens)
         positions = None if positions is None else jnp.asarray(positions, jnp.int32)
         attention_mask = None if attention_mask is None else jnp.asarray(attention_mask)
@@ -253,13 +268,15 @@ class Transformer(nnx.Module):
             keys.append(k_buf)
             values.append(v_buf)
         hidden = self.norm(x)  # [B, T, E]
+        return hidden, cache.replace(keys=tuple(keys), values=tuple(values))
+
+    def project(self, hidden: jax.Array) -> jax.Array:
+        """The lm_head: `[..., E]` final-norm hidden states -> `[..., V]` float32 logits."""
         if self.lm_head is None:
-            w, spec = self.embedding[...], "BTE,VE->BTV"
+            w, spec = self.embedding[...], "...E,VE->...V"
         else:
-            w, spec = self.lm_head[...], "BTE,EV->BTV"
-        logits = jnp.einsum(spec, hidden.astype(w.dtype), w, preferred_element_type=jnp.float32)
-        new_cache = cache.replace(keys=tuple(keys), values=tuple(values))
-        return (logits, new_cache, hidden) if return_hidden else (logits, new_cache)
+            w, spec = self.lm_head[...], "...E,EV->...V"
+        return jnp.einsum(spec, hidden.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
     def _check(self, tokens, cache, positions, attention_mask):
         c = self.config
