@@ -197,6 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_certify(sub)
     _add_fetch(sub)
+    from jaxcert import recipe
+
+    recipe.add_parser(sub)
     return parser
 
 

@@ -1,0 +1,363 @@
+"""Training drafters that are accepted more often: distillation with certificate losses.
+
+Recipe (``jaxcert train-drafter``, ``scripts/train_drafter.py``):
+
+1. The target greedy-decodes real prompts; both models then read prompt + continuation
+   once (teacher forcing) and their final hidden states at every continuation position
+   are cached (:func:`collect_features`). At these positions the drafter sees exactly
+   what it sees inside an accepted greedy run of speculative decoding.
+2. The student is a :class:`DraftHead`, a residual MLP between the drafter's final norm
+   and its frozen lm_head, trained on the cached states with optax
+   (:func:`train_head`): KL(p||q) alone, or KL plus a certificate-violation term.
+3. :func:`evaluate` reports on held-out prompts the mean KL, the certified fraction
+   (KL < C_p) per rule, greedy agreement, and the exact offline acceptance length of
+   greedy chain decoding with a constant draft length.
+
+Why a head on the drafter: it trains in minutes on 2 CPU cores (only ~2M parameters;
+the cost is the two full-vocabulary projections per position, which the certificate
+needs anyway), the trunk stays frozen so features are computed once, and the result,
+:class:`HeadedDrafter`, is an ordinary drafter for :mod:`jaxcert.decoding` (same call
+signature as ``models.Transformer``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxcert import _numerics, certify, losses, prompts
+from jaxcert import rules as rules_lib
+from jaxcert.solver import certificates
+
+__all__ = [
+    "DraftHead",
+    "HeadedDrafter",
+    "FeatureSet",
+    "Objective",
+    "collect_features",
+    "train_head",
+    "evaluate",
+    "chain_acceptance_length",
+]
+
+
+class DraftHead(nnx.Module):
+    """``h + W_out silu(W_in h)`` on ``[..., E]`` hidden states; ``W_out`` starts at zero.
+
+    At initialisation the head is the identity, so a headed drafter starts exactly as
+    the plain drafter.
+    """
+
+    def __init__(self, hidden_size: int, width: int, *, rngs: nnx.Rngs):
+        scale = hidden_size**-0.5
+        self.w_in = nnx.Param(jax.random.normal(rngs.params(), (hidden_size, width)) * scale)
+        self.w_out = nnx.Param(jnp.zeros((width, hidden_size)))  # [F, E]
+
+    def __call__(self, hidden: jax.Array) -> jax.Array:
+        h = hidden.astype(jnp.float32)
+        out = h + jax.nn.silu(h @ self.w_in[...]) @ self.w_out[...]
+        return out.astype(hidden.dtype)
+
+
+class HeadedDrafter(nnx.Module):
+    """A drafter ``models.Transformer`` with a :class:`DraftHead` before its lm_head.
+
+    Same call signature and ``config`` as the base model, so it works with
+    ``models.forward`` and the speculative decoder.
+    """
+
+    def __init__(self, base, head: DraftHead):
+        self.base = base
+        self.head = head
+        self.config = base.config
+        self.dtype = base.dtype
+
+    def features(self, tokens, cache, **kwargs):
+        hidden, cache = self.base.features(tokens, cache, **kwargs)
+        return self.head(hidden), cache
+
+    def project(self, hidden):
+        return self.base.project(hidden)
+
+    def __call__(self, tokens, cache, *, positions=None, attention_mask=None, return_hidden=False):
+        hidden, cache = self.features(
+            tokens, cache, positions=positions, attention_mask=attention_mask
+        )
+        logits = self.project(hidden)
+        return (logits, cache, hidden) if return_hidden else (logits, cache)
+
+
+@dataclasses.dataclass(frozen=True)
+class FeatureSet:
+    """Cached teacher-forced features, one row per continuation position.
+
+    Attributes:
+      drafter_hidden: ``[N, Eq]`` float32 final-norm hidden states of the drafter.
+      target_hidden: ``[N, Ep]`` float32 final-norm hidden states of the target.
+      prompt: ``[N]`` int32 index of the prompt.
+      position: ``[N]`` int32 position in the continuation (0 = first generated token).
+      token: ``[N]`` int32 the target's greedy token at that position.
+    """
+
+    drafter_hidden: np.ndarray
+    target_hidden: np.ndarray
+    prompt: np.ndarray
+    position: np.ndarray
+    token: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.token.shape[0])
+
+    def select(self, mask: np.ndarray) -> FeatureSet:
+        return FeatureSet(*(getattr(self, f.name)[mask] for f in dataclasses.fields(self)))
+
+
+def _features_fn(graphdef, state, tokens, cache):
+    return nnx.merge(graphdef, state).features(tokens, cache)[0]
+
+
+_features = jax.jit(_features_fn, static_argnums=0)
+
+
+def _teacher_forced(lm, ids: list[int], width: int) -> np.ndarray:
+    import models
+
+    graphdef, state = nnx.split(lm.model)
+    tokens = np.zeros((1, width), np.int32)
+    tokens[0, : len(ids)] = ids
+    cache = models.KVCache.create(lm.config, 1, width, dtype=lm.model.dtype)
+    return np.asarray(_features(graphdef, state, jnp.asarray(tokens), cache)[0], np.float32)
+
+
+def collect_features(
+    target_lm,
+    drafter_lm,
+    prompt_set: Sequence[prompts.Prompt],
+    *,
+    steps: int = 96,
+    batch_size: int = 8,
+    progress: Callable[[int, int], None] | None = None,
+) -> FeatureSet:
+    """Greedy continuations of the target, then teacher-forced hidden states of both models.
+
+    Raises:
+      ValueError: the two models have different vocabulary sizes.
+    """
+    if target_lm.config.vocab_size != drafter_lm.config.vocab_size:
+        raise ValueError(
+            f"vocabulary mismatch: target V={target_lm.config.vocab_size}, "
+            f"drafter V={drafter_lm.config.vocab_size}"
+        )
+    options = certify.CertifyOptions(steps=steps, batch_size=batch_size)
+    table, _ = certify.certify_prompts(
+        target_lm, prompt_set, (rules_lib.StrictGreedy(),), options, progress=progress
+    )
+    encoded = prompts.encode_prompts(target_lm.tokenizer, prompt_set)
+    rows = table.select(["prompt_id", "position", "token"]).to_pydict()
+    index = {p.id: i for i, p in enumerate(prompt_set)}
+    continuation: dict[int, list[int]] = {}
+    for pid, token in zip(rows["prompt_id"], rows["token"], strict=True):
+        continuation.setdefault(index[pid], []).append(int(token))
+    width = -(-max(len(encoded[i]) + len(c) for i, c in continuation.items()) // 64) * 64
+    parts = {k: [] for k in ("drafter_hidden", "target_hidden", "prompt", "position", "token")}
+    for i, generated in sorted(continuation.items()):
+        ids = encoded[i] + generated
+        first = len(encoded[i]) - 1  # the hidden state that predicts the first generated token
+        span = slice(first, first + len(generated))
+        parts["target_hidden"].append(_teacher_forced(target_lm, ids, width)[span])
+        parts["drafter_hidden"].append(_teacher_forced(drafter_lm, ids, width)[span])
+        parts["prompt"].append(np.full(len(generated), i, np.int32))
+        parts["position"].append(np.arange(len(generated), dtype=np.int32))
+        parts["token"].append(np.asarray(generated, np.int32))
+    return FeatureSet(**{k: np.concatenate(v) for k, v in parts.items()})
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """``KL(p||q) + weight * mean(certificate_violation(q, p, rule, margin))``.
+
+    Attributes:
+      name: label in tables.
+      rule: the rule of the violation term, or ``None`` for plain KL distillation.
+      weight: ``lambda``, the weight of the violation term.
+      margin: nats of slack asked below the certificate.
+    """
+
+    name: str
+    rule: rules_lib.Rule | None = None
+    weight: float = 1.0
+    margin: float = 0.0
+
+
+def _project_fn(graphdef, state, hidden):
+    return nnx.merge(graphdef, state).project(hidden)
+
+
+def _loss(head, d_graph, d_state, t_graph, t_state, h_q, h_p, objective: Objective):
+    target_logits = jax.lax.stop_gradient(_project_fn(t_graph, t_state, h_p))
+    drafter_logits = _project_fn(d_graph, d_state, head(h_q))
+    kl = losses.kl_divergence(target_logits, drafter_logits)
+    loss = jnp.mean(kl)
+    violation = jnp.zeros(())
+    if objective.rule is not None:
+        violation = jnp.mean(
+            losses.certificate_violation(
+                drafter_logits, target_logits, objective.rule, margin=objective.margin
+            )
+        )
+        loss = loss + objective.weight * violation
+    return loss, (jnp.mean(kl), violation)
+
+
+def train_head(
+    objective: Objective,
+    train: FeatureSet,
+    target_model,
+    drafter_model,
+    *,
+    steps: int = 150,
+    batch_size: int = 64,
+    learning_rate: float = 1e-3,
+    width: int = 1024,
+    seed: int = 0,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[DraftHead, list[dict]]:
+    """Trains a :class:`DraftHead` on cached features with Adam.
+
+    Args:
+      objective: what to minimise.
+      train: training features.
+      target_model, drafter_model: the ``models.Transformer`` (or compatible) whose
+        ``project`` maps hidden states to logits; both stay frozen.
+      steps, batch_size, learning_rate, width, seed: optimisation settings; the same seed
+        gives the same initial head and the same batches for every objective.
+
+    Returns:
+      ``(head, history)``; ``history`` has one dict per step (loss, kl, violation, seconds).
+    """
+    head = DraftHead(train.drafter_hidden.shape[-1], width, rngs=nnx.Rngs(seed))
+    optimizer = nnx.Optimizer(head, optax.adam(learning_rate), wrt=nnx.Param)
+    d_graph, d_state = nnx.split(drafter_model)
+    t_graph, t_state = nnx.split(target_model)
+
+    @nnx.jit(static_argnums=(2, 4))
+    def step(head, optimizer, d_graph, d_state, t_graph, t_state, h_q, h_p):
+        grad_fn = nnx.value_and_grad(_loss, has_aux=True)
+        (loss, (kl, violation)), grads = grad_fn(
+            head, d_graph, d_state, t_graph, t_state, h_q, h_p, objective
+        )
+        optimizer.update(head, grads)
+        return loss, kl, violation
+
+    rng = np.random.default_rng(seed)
+    history = []
+    for i in range(steps):
+        idx = rng.integers(0, len(train), batch_size)
+        start = time.perf_counter()
+        loss, kl, violation = step(
+            head, optimizer, d_graph, d_state, t_graph, t_state,
+            jnp.asarray(train.drafter_hidden[idx]), jnp.asarray(train.target_hidden[idx]),
+        )  # fmt: skip
+        history.append({"step": i, "loss": float(loss), "kl": float(kl),
+                        "violation": float(violation),
+                        "seconds": time.perf_counter() - start})  # fmt: skip
+        if progress is not None:
+            progress(i + 1, steps)
+    return head, history
+
+
+def chain_acceptance_length(match: np.ndarray, draft_length: int) -> tuple[int, int]:
+    """Exact greedy chain decoding on a sequence, offline.
+
+    With greedy verification a drafted token is accepted iff it equals the target's
+    greedy token, and while drafts are accepted the drafter reads the target's own
+    greedy prefix, so its proposals are its argmax at teacher-forced positions.
+
+    Args:
+      match: ``[n]`` bool, drafter argmax == target greedy token at each position.
+      draft_length: ``K``, drafted tokens per round (constant policy).
+
+    Returns:
+      ``(tokens, rounds)``: tokens emitted (accepted drafts plus one target token per
+      round) and verification rounds to produce the ``n`` positions.
+    """
+    n, t, rounds = len(match), 0, 0
+    while t < n:
+        run = 0
+        while run < draft_length and t + run < n and match[t + run]:
+            run += 1
+        rounds += 1
+        t += run + 1
+    return n, rounds
+
+
+def evaluate(
+    head: DraftHead | None,
+    data: FeatureSet,
+    target_model,
+    drafter_model,
+    *,
+    rules: Sequence[rules_lib.Rule] = (rules_lib.StrictGreedy(), rules_lib.TreeCoverage(4)),
+    draft_length: int = 5,
+    chunk: int = 256,
+) -> dict:
+    """Held-out metrics of a head (``None``: the plain drafter).
+
+    Returns:
+      ``mean_kl`` (nats), ``certified[<rule>]`` (fraction of positions with
+      KL(p||q) < C_p), ``agreement`` (drafter argmax == target greedy token),
+      ``top{m}_coverage`` (target token in the drafter's top-m, for tree rules) and
+      ``acceptance_length`` (tokens per round of exact offline greedy chain decoding
+      with ``draft_length`` drafted tokens per round).
+    """
+    d_graph, d_state = nnx.split(drafter_model)
+    t_graph, t_state = nnx.split(target_model)
+    h_graph, h_state = nnx.split(head) if head is not None else (None, None)
+    rules = tuple(rules)
+    tree_sizes = sorted({r.list_size for r in rules if r.list_size > 1})
+    k = max(tree_sizes + [1])
+
+    # Weights are arguments, not closed-over constants: they are gigabytes.
+    @functools.partial(jax.jit, static_argnums=(0, 2, 4))
+    def metrics(d_graph, d_state, t_graph, t_state, h_graph, h_state, h_q, h_p):
+        p_logits = _project_fn(t_graph, t_state, h_p)
+        q_in = h_q if h_graph is None else nnx.merge(h_graph, h_state)(h_q)
+        q_logits = _project_fn(d_graph, d_state, q_in)
+        kl = losses.kl_divergence(p_logits, q_logits)
+        certs = certificates(p_logits, rules)
+        certified = jnp.stack([kl < c.value for c in certs], axis=-1)
+        return kl, certified, _numerics.top_k(q_logits, k)[1]
+
+    kls, certs, tops = [], [], []
+    for start in range(0, len(data), chunk):
+        sl = slice(start, start + chunk)
+        kl, certified, q_top = metrics(
+            d_graph, d_state, t_graph, t_state, h_graph, h_state,
+            jnp.asarray(data.drafter_hidden[sl]), jnp.asarray(data.target_hidden[sl]),
+        )  # fmt: skip
+        kls.append(np.asarray(kl))
+        certs.append(np.asarray(certified))
+        tops.append(np.asarray(q_top))
+    kl, certified, top = np.concatenate(kls), np.concatenate(certs), np.concatenate(tops)
+    match = top[:, 0] == data.token
+    tokens = rounds = 0
+    for prompt in np.unique(data.prompt):
+        order = np.argsort(data.position[data.prompt == prompt])
+        n, r = chain_acceptance_length(match[data.prompt == prompt][order], draft_length)
+        tokens, rounds = tokens + n, rounds + r
+    out = {"positions": len(data), "mean_kl": float(kl.mean())}
+    for i, rule in enumerate(rules):
+        out[f"certified[{rule.spec}]"] = float(certified[:, i].mean())
+    out["agreement"] = float(match.mean())
+    for m in tree_sizes:
+        out[f"top{m}_coverage"] = float(np.mean(np.any(top[:, :m] == data.token[:, None], 1)))
+    out["acceptance_length"] = tokens / max(rounds, 1)
+    return out
