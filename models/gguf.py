@@ -81,14 +81,6 @@ def read_gguf(path: str | os.PathLike) -> tuple[gguf.GGUFReader, dict[str, Any]]
     return reader, metadata
 
 
-def default_cache_dir() -> pathlib.Path:
-    """`$JAXCERT_CACHE`, else `$XDG_CACHE_HOME/jaxcert`, else `~/.cache/jaxcert`."""
-    if os.environ.get("JAXCERT_CACHE"):
-        return pathlib.Path(os.environ["JAXCERT_CACHE"])
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return pathlib.Path(xdg) / "jaxcert"
-
-
 def dequant_cache_path(path: str | os.PathLike, dtype, cache_dir=None) -> pathlib.Path:
     """The cache file for `path` in `dtype`, keyed by (realpath, size, mtime, dtype)."""
     real = os.path.realpath(path)
@@ -96,7 +88,11 @@ def dequant_cache_path(path: str | os.PathLike, dtype, cache_dir=None) -> pathli
     name = jnp.dtype(dtype).name
     key = f"{real}\0{st.st_size}\0{st.st_mtime_ns}\0{name}\0{_CACHE_VERSION}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    root = pathlib.Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    if cache_dir is None:
+        from jaxcert.assets import cache_dir as default_cache_dir  # one cache root for all
+
+        cache_dir = default_cache_dir()
+    root = pathlib.Path(cache_dir)
     return root / "dequant" / f"{pathlib.Path(real).stem}-{name}-{digest}.safetensors"
 
 
@@ -193,7 +189,7 @@ def load_gguf(
     Args:
       path: the `.gguf` file.
       dtype: parameter and compute dtype (and the cache file's dtype).
-      cache_dir: cache root; default `default_cache_dir()`.
+      cache_dir: cache root; default `jaxcert.assets.cache_dir()`.
 
     Returns:
       A `LoadedModel` whose tokenizer is built from the file's metadata (no torch needed).
