@@ -1,11 +1,8 @@
 """load() dispatch and load_hf error handling (sharded, bfloat16, bad tensors)."""
 
 import copy
-import importlib
 import json
 import shutil
-import sys
-import types
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +13,7 @@ import tiny_models
 from flax import nnx
 
 import models
+from jaxcert import assets
 from models import KVCache, forward, load, load_hf
 
 STEP = jax.jit(forward, static_argnums=0)
@@ -107,13 +105,10 @@ def test_load_dispatch(np_case, tmp_path, monkeypatch):
     def fetch(name):
         fetched.append(name)
         if name != "tiny-asset":
-            raise RuntimeError(f"unknown asset {name!r}")  # like jaxcert.assets.AssetError
+            raise assets.AssetError(f"unknown asset {name!r}")
         return gguf_file
 
-    fake = types.ModuleType("jaxcert.assets")
-    fake.fetch = fetch
-    monkeypatch.setitem(sys.modules, "jaxcert.assets", fake)
-    monkeypatch.setattr(importlib.import_module("jaxcert"), "assets", fake, raising=False)
+    monkeypatch.setattr(assets, "fetch", fetch)
     np.testing.assert_allclose(_logits(load("tiny-asset").model), _logits(lm.model), atol=1e-5)
     with pytest.raises(ValueError, match="no-such-model.*directory.*GGUF.*unknown asset"):
         load("no-such-model")
