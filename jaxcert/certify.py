@@ -136,7 +136,8 @@ def certify_prompts(
       (nats, ``inf`` where rejection is impossible); ``info`` has counts and timings.
 
     Raises:
-      ValueError: no prompt is long enough, or no rules.
+      ValueError: no prompt is long enough, no rules, or prompts plus steps exceed the
+        model's context length.
     """
     rules = tuple(rules)
     if not rules:
@@ -163,6 +164,11 @@ def certify_prompts(
     # copies of a prompt whose rows are dropped), so each jitted function compiles once.
     width = -(-max(len(encoded[i]) for i in order) // 16) * 16
     cache_length = width + chunks * options.chunk + 1
+    if cache_length > lm.config.max_position_embeddings:
+        raise ValueError(
+            f"prompts of up to {width} tokens plus {options.steps} steps need {cache_length} "
+            f"positions; the model supports {lm.config.max_position_embeddings}"
+        )
     rows = min(options.batch_size, len(order))
     for batch in _batches(order, options.batch_size):
         ids = [encoded[i] for i in batch]

@@ -86,6 +86,8 @@ def test_stop_at_eos_and_min_prompt_tokens(lm):
     for pid in set(rows["prompt_id"]):
         tokens = [t for p, t in zip(rows["prompt_id"], rows["token"], strict=True) if p == pid]
         assert not any(t in eos for t in tokens[:-1])  # nothing recorded after an end of turn
+    with pytest.raises(ValueError, match="the model supports 512"):
+        certify.certify_prompts(lm, prompt_set, RULES, certify.CertifyOptions(steps=600))
     with pytest.raises(ValueError, match="no prompt has at least"):
         certify.certify_prompts(
             lm, prompt_set, RULES, certify.CertifyOptions(min_prompt_tokens=10_000)
