@@ -1,17 +1,20 @@
-"""The ``jaxcert`` command line: ``certify``, ``fetch`` (and more as they land)."""
+"""The ``jaxcert`` command line: ``certify``, ``decode``, ``fetch`` (and more as they land)."""
 
 from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import pathlib
 import sys
 import time
 
-__all__ = ["main", "DEFAULT_RULES", "DEFAULT_TARGET"]
+__all__ = ["main", "DEFAULT_RULES", "DEFAULT_TARGET", "DEFAULT_DECODE_TARGET", "DEFAULT_DRAFTER"]
 
 DEFAULT_TARGET = "qwen2.5-coder-0.5b-instruct"
+DEFAULT_DECODE_TARGET = "qwen2.5-coder-1.5b-instruct"
+DEFAULT_DRAFTER = "qwen2.5-coder-0.5b-instruct"
 DEFAULT_RULES = "greedy,additive:0.3,multiplicative:0.1,typical,topk:2,tree:2,tree:4,tree:8"
 
 
@@ -68,6 +71,220 @@ def _add_certify(sub) -> None:
                    help="output folder (default jaxcert-out/certify)")  # fmt: skip
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.set_defaults(func=_certify)
+
+
+def _unit_float(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
+def _add_decode(sub) -> None:
+    p = sub.add_parser(
+        "decode",
+        help="speculative decoding with a target and a drafter: speed, acceptance, certificates",
+        description="Decode each prompt with the target alone and with speculative decoding "
+        "(drafter + policy + verification rule), in the same run, and report throughput, "
+        "speedup, acceptance and, per drafted position, KL(p||q) and the certificate C_p. "
+        "Writes rounds.parquet, nodes.parquet, outputs.jsonl and summary.json to --out.",
+    )
+    p.add_argument("--target", default=DEFAULT_DECODE_TARGET,
+                   help="asset name, checkpoint folder or .gguf "
+                   f"(default: {DEFAULT_DECODE_TARGET})")  # fmt: skip
+    p.add_argument("--drafter", default=DEFAULT_DRAFTER,
+                   help=f"the same for the drafter (default: {DEFAULT_DRAFTER})")  # fmt: skip
+    p.add_argument("--prompts", default="mtbench",
+                   help="'mtbench' or a JSONL file with a 'prompt' or 'turns' field")  # fmt: skip
+    p.add_argument("--policy", default="svip:0.3",
+                   help="draft-length policy: constant:K | heuristic | confidence[:TAU] | "
+                   "svip[:H] | cert[:KAPPA], optional /KMAX (default svip:0.3)")  # fmt: skip
+    p.add_argument("--verify", default="greedy",
+                   help="[SHAPE+]RULE: greedy | additive:T | multiplicative:A | topk:K | typical "
+                   "| sample, SHAPE = tree:MxD | dyntree:MxDxN (default greedy)")  # fmt: skip
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 for greedy/relaxed rules; > 0 with 'sample' (default 0)")  # fmt: skip
+    p.add_argument("--top-p", type=_unit_float, default=1.0, help="nucleus for sampling")
+    p.add_argument("--max-new-tokens", type=_positive, default=128, help="per prompt")
+    p.add_argument("--max-draft", type=_positive, default=None,
+                   help="deepest chain (default: the policy's cap, 40 if dynamic)")  # fmt: skip
+    p.add_argument("--batch-size", type=_positive, default=1, help="prompts decoded together")
+    p.add_argument("--max-prompts", type=_positive, default=4, help="first N prompts (default 4)")
+    p.add_argument("--turn", type=_non_negative, default=0, help="turn of multi-turn records")
+    p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    p.add_argument("--system-prompt", default=None, help="explicit system message")
+    p.add_argument("--seed", type=int, default=0, help="PRNG seed (sampling)")
+    p.add_argument("--no-baseline", action="store_true", help="skip the target-only run")
+    p.add_argument("--no-certificates", action="store_true",
+                   help="skip the per-node certificates (KL is still recorded)")  # fmt: skip
+    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("jaxcert-out/decode"),
+                   help="output folder (default jaxcert-out/decode)")  # fmt: skip
+    p.set_defaults(func=_decode)
+
+
+def _eos_ids(lm) -> tuple[int, ...]:
+    ids = set(lm.config.eos_token_ids)
+    if getattr(lm.tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(lm.tokenizer.eos_token_id))
+    return tuple(sorted(ids))
+
+
+def _decode(args) -> int:
+    import jax
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from tqdm import tqdm
+
+    import models
+    from jaxcert import decoding, prompts
+    from jaxcert.decoding import report
+
+    policy = decoding.parse_policy(args.policy)
+    verification = decoding.parse_verify(args.verify)
+    max_draft = args.max_draft or policy.k_max
+    config = decoding.DecodeConfig(
+        verification=verification,
+        max_new_tokens=args.max_new_tokens,
+        max_draft=max_draft,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        collect_stats=not args.no_certificates,
+    )  # validates temperature against the rule before anything is loaded
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    prompt_set = prompts.load_prompts(args.prompts, turn=args.turn, max_prompts=args.max_prompts)
+    t0 = time.perf_counter()
+    target = models.load(args.target)
+    drafter = models.load(args.drafter)
+    decoding.check_pair(target, drafter)
+    load_s = time.perf_counter() - t0
+    config = dataclasses.replace(config, eos_ids=_eos_ids(target))
+    encoded = prompts.encode_prompts(target.tokenizer, prompt_set, chat=not args.no_chat,
+                                     system_prompt=args.system_prompt)  # fmt: skip
+    width = 16 * -(-max(len(e) for e in encoded) // 16)
+    print(f"[jaxcert] target {target.path.name} ({target.config.num_layers} layers), drafter "
+          f"{drafter.path.name} ({drafter.config.num_layers} layers), V={target.config.vocab_size},"
+          f" loaded in {load_s:.1f} s; {len(encoded)} prompts; policy {policy.spec}, verify "
+          f"{verification.spec}, T={args.temperature}", file=sys.stderr)  # fmt: skip
+    key = jax.random.key(args.seed)
+    total = len(encoded) * args.max_new_tokens * (1 if args.no_baseline else 2)
+    bar = tqdm(total=total, unit="tok", desc="decode", file=sys.stderr, dynamic_ncols=True)
+    runs = {"target": [], "speculative": []}
+    ids = [p.id for p in prompt_set]
+    for start in range(0, len(encoded), args.batch_size):
+        batch = encoded[start : start + args.batch_size]
+        key, k1, k2 = jax.random.split(key, 3)
+        done = bar.n
+        tick = lambda n, done=done: bar.update(done + n - bar.n)  # noqa: E731
+        if not args.no_baseline:
+            runs["target"].append(decoding.target_decode(
+                target, batch, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                top_p=args.top_p, eos_ids=config.eos_ids, key=k1, prompt_width=width,
+                progress=tick))  # fmt: skip
+            done = bar.n = done + len(batch) * args.max_new_tokens
+            tick = lambda n, done=done: bar.update(done + n - bar.n)  # noqa: E731
+        runs["speculative"].append(decoding.speculative_decode(
+            target, drafter, batch, policy=policy, config=config, key=k2, prompt_width=width,
+            progress=tick))  # fmt: skip
+        bar.n = done + len(batch) * args.max_new_tokens
+        bar.refresh()
+    bar.close()
+    summary = _decode_summary(runs, config, report)
+    tables = {"rounds": [], "nodes": []}
+    offset = 0
+    for i, run in enumerate(runs["speculative"]):
+        batch_ids = ids[i * args.batch_size : (i + 1) * args.batch_size]
+        tables["rounds"].append(report.round_table(run.stats, batch_ids, start_round=offset))
+        tables["nodes"].append(report.node_table(run.stats, batch_ids, start_round=offset))
+        offset += len(run.stats.active)
+    for name, parts in tables.items():
+        pq.write_table(pa.concat_tables(parts), out / f"{name}.parquet")
+    with open(out / "outputs.jsonl", "w", encoding="utf-8") as f:
+        spec = [t for r in runs["speculative"] for t in r.tokens]
+        base = [t for r in runs["target"] for t in r.tokens] or [None] * len(spec)
+        for pid, s_tok, b_tok in zip(ids, spec, base, strict=True):
+            record = {"prompt_id": pid, "speculative": target.tokenizer.decode(s_tok)}
+            if b_tok is not None:
+                record["target_only"] = target.tokenizer.decode(b_tok)
+                record["identical"] = bool(len(s_tok) == len(b_tok) and (s_tok == b_tok).all())
+            f.write(json.dumps(record) + "\n")
+    meta = {"command": " ".join(sys.argv), "target": str(target.path),
+            "drafter": str(drafter.path), "prompts": args.prompts, "policy": policy.spec,
+            "verify": verification.spec, "temperature": args.temperature, "top_p": args.top_p,
+            "max_new_tokens": args.max_new_tokens, "max_draft": max_draft,
+            "batch_size": args.batch_size, "seed": args.seed, "load_s": round(load_s, 2),
+            "total_s": round(time.perf_counter() - started, 1)}  # fmt: skip
+    (out / "summary.json").write_text(json.dumps(meta | summary, indent=2, default=str))
+    print(_decode_text(summary))
+    print(f"[jaxcert] wrote {out}/rounds.parquet, nodes.parquet, outputs.jsonl, summary.json",
+          file=sys.stderr)  # fmt: skip
+    return 0
+
+
+def _decode_summary(runs, config, report) -> dict:
+    import numpy as np
+
+    def total(name, attr):
+        return sum(getattr(r, attr) for r in runs[name])
+
+    spec = runs["speculative"]
+    stats = [r.stats for r in spec]
+    merged = {}
+    if stats:
+        import jax
+
+        merged = jax.tree.map(lambda *xs: np.concatenate(xs, axis=0) if xs[0].ndim else xs[0],
+                              *[_pad_batch(s, stats) for s in stats])  # fmt: skip
+    out = {"speculative": report.summarize(merged or None, total("speculative", "num_tokens"),
+                                           total("speculative", "decode_s"))}  # fmt: skip
+    out["speculative"]["compile_s"] = round(total("speculative", "compile_s"), 1)
+    if runs["target"]:
+        base = report.summarize(None, total("target", "num_tokens"), total("target", "decode_s"))
+        out["target_only"] = base
+        out["speedup"] = round(out["speculative"]["tokens_per_s"] / base["tokens_per_s"], 3)
+        pairs = [(a, b) for s, t in zip(spec, runs["target"], strict=True)
+                 for a, b in zip(s.tokens, t.tokens, strict=True)]  # fmt: skip
+        same = sum(len(a) == len(b) and bool((a == b).all()) for a, b in pairs)
+        out["identical_outputs"] = f"{same}/{len(pairs)}"
+    return out
+
+
+def _pad_batch(stats, all_stats):
+    """Pads a batch's ``[R, B, ...]`` stats to the largest B (for concatenation over rounds)."""
+    import jax
+    import numpy as np
+
+    width = max(s.active.shape[1] for s in all_stats)
+
+    def pad(x):
+        extra = [(0, 0)] * x.ndim
+        extra[1] = (0, width - x.shape[1])
+        fill = np.nan if np.issubdtype(x.dtype, np.floating) else 0
+        return np.pad(x, extra, constant_values=fill)
+
+    return jax.tree.map(pad, stats)
+
+
+def _decode_text(summary: dict) -> str:
+    s = summary["speculative"]
+    lines = ["| run | tokens | tokens/s | speedup | accepted/round | tokens/round | "
+             "acceptance | certified |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    if "target_only" in summary:
+        b = summary["target_only"]
+        lines.append(f"| target only | {b['tokens']} | {b['tokens_per_s']:.2f} | 1.00 | | | | |")
+    lines.append(
+        f"| speculative | {s['tokens']} | {s['tokens_per_s']:.2f} | "
+        f"{summary.get('speedup', float('nan')):.2f} | {s.get('mean_accepted', float('nan'))} | "
+        f"{s.get('tokens_per_round', '')} | {s.get('acceptance_rate', '')} | "
+        f"{s.get('certified_fraction', '')} |"
+    )
+    text = "\n".join(lines)
+    if "acceptance_by_depth" in s:
+        text += f"\n\nacceptance by position: {s['acceptance_by_depth']}"
+    if "identical_outputs" in summary:
+        text += f"\noutputs identical to target-only: {summary['identical_outputs']}"
+    return text
 
 
 def _add_fetch(sub) -> None:
@@ -196,6 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     _add_certify(sub)
+    _add_decode(sub)
     _add_fetch(sub)
     from jaxcert import recipe
 

@@ -136,11 +136,12 @@ def run(args) -> int:
             margin=args.margin,
         ),  # fmt: skip
     )
+    train_logits = training.target_logits(train, target.model)  # once, for every objective
     histories = {}
     for objective in objectives:
         bar, update = _bar(objective.name)
         head, history = training.train_head(
-            objective, train, target.model, drafter.model, steps=args.train_steps,
+            objective, train, train_logits, drafter.model, steps=args.train_steps,
             batch_size=args.batch_size, learning_rate=args.learning_rate, width=args.width,
             seed=args.seed, progress=update,
         )  # fmt: skip

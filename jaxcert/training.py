@@ -43,6 +43,7 @@ __all__ = [
     "FeatureSet",
     "Objective",
     "collect_features",
+    "target_logits",
     "train_head",
     "evaluate",
     "chain_acceptance_length",
@@ -201,8 +202,7 @@ def _project_fn(graphdef, state, hidden):
     return nnx.merge(graphdef, state).project(hidden)
 
 
-def _loss(head, d_graph, d_state, t_graph, t_state, h_q, h_p, objective: Objective):
-    target_logits = jax.lax.stop_gradient(_project_fn(t_graph, t_state, h_p))
+def _loss(head, d_graph, d_state, h_q, target_logits, objective: Objective):
     drafter_logits = _project_fn(d_graph, d_state, head(h_q))
     kl = losses.kl_divergence(target_logits, drafter_logits)
     loss = jnp.mean(kl)
@@ -217,10 +217,24 @@ def _loss(head, d_graph, d_state, t_graph, t_state, h_q, h_p, objective: Objecti
     return loss, (jnp.mean(kl), violation)
 
 
+def target_logits(data: FeatureSet, target_model, *, chunk: int = 256) -> np.ndarray:
+    """``[N, V]`` float32 target logits of every position (computed once for training).
+
+    The target's projection is the costliest part of a training step (``E_p x V``
+    multiply-adds per position); precomputing it makes each step read a batch instead.
+    """
+    graph, state = nnx.split(target_model)
+    project = jax.jit(_project_fn, static_argnums=0)
+    return np.concatenate([
+        np.asarray(project(graph, state, jnp.asarray(data.target_hidden[i : i + chunk])))
+        for i in range(0, len(data), chunk)
+    ])  # fmt: skip
+
+
 def train_head(
     objective: Objective,
     train: FeatureSet,
-    target_model,
+    train_target_logits: np.ndarray,
     drafter_model,
     *,
     steps: int = 150,
@@ -235,25 +249,32 @@ def train_head(
     Args:
       objective: what to minimise.
       train: training features.
-      target_model, drafter_model: the ``models.Transformer`` (or compatible) whose
-        ``project`` maps hidden states to logits; both stay frozen.
+      train_target_logits: ``[N, V]`` target logits of ``train`` (:func:`target_logits`).
+      drafter_model: the drafter ``models.Transformer`` (or compatible; its ``project``
+        maps hidden states to logits); it stays frozen.
       steps, batch_size, learning_rate, width, seed: optimisation settings; the same seed
         gives the same initial head and the same batches for every objective.
 
     Returns:
       ``(head, history)``; ``history`` has one dict per step (loss, kl, violation, seconds).
+
+    Raises:
+      ValueError: the target logits do not match the features or the drafter's vocabulary.
     """
+    vocab = drafter_model.config.vocab_size
+    if train_target_logits.shape != (len(train), vocab):
+        raise ValueError(
+            f"target logits have shape {train_target_logits.shape}, expected "
+            f"{(len(train), vocab)} (positions, drafter vocabulary)"
+        )
     head = DraftHead(train.drafter_hidden.shape[-1], width, rngs=nnx.Rngs(seed))
     optimizer = nnx.Optimizer(head, optax.adam(learning_rate), wrt=nnx.Param)
     d_graph, d_state = nnx.split(drafter_model)
-    t_graph, t_state = nnx.split(target_model)
 
-    @nnx.jit(static_argnums=(2, 4))
-    def step(head, optimizer, d_graph, d_state, t_graph, t_state, h_q, h_p):
+    @nnx.jit(static_argnums=2)
+    def step(head, optimizer, d_graph, d_state, h_q, p_logits):
         grad_fn = nnx.value_and_grad(_loss, has_aux=True)
-        (loss, (kl, violation)), grads = grad_fn(
-            head, d_graph, d_state, t_graph, t_state, h_q, h_p, objective
-        )
+        (loss, (kl, violation)), grads = grad_fn(head, d_graph, d_state, h_q, p_logits, objective)
         optimizer.update(head, grads)
         return loss, kl, violation
 
@@ -263,8 +284,8 @@ def train_head(
         idx = rng.integers(0, len(train), batch_size)
         start = time.perf_counter()
         loss, kl, violation = step(
-            head, optimizer, d_graph, d_state, t_graph, t_state,
-            jnp.asarray(train.drafter_hidden[idx]), jnp.asarray(train.target_hidden[idx]),
+            head, optimizer, d_graph, d_state,
+            jnp.asarray(train.drafter_hidden[idx]), jnp.asarray(train_target_logits[idx]),
         )  # fmt: skip
         history.append({"step": i, "loss": float(loss), "kl": float(kl),
                         "violation": float(violation),

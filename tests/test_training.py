@@ -62,6 +62,8 @@ def test_features_are_consistent_with_the_target_continuation(pair, features):
 def test_objectives_train_and_evaluate(pair, features):
     target, drafter = pair
     base = training.evaluate(None, features, target.model, drafter.model)
+    logits = training.target_logits(features, target.model, chunk=7)
+    assert logits.shape == (len(features), target.config.vocab_size)
     assert 0 <= base["agreement"] <= 1 and base["mean_kl"] > 0
     assert 1 <= base["acceptance_length"] <= 6
     for objective in (
@@ -70,7 +72,7 @@ def test_objectives_train_and_evaluate(pair, features):
         training.Objective("kl+tree:4", R.TreeCoverage(4), weight=1.0, margin=0.05),
     ):
         head, history = training.train_head(
-            objective, features, target.model, drafter.model, steps=40, batch_size=16,
+            objective, features, logits, drafter.model, steps=40, batch_size=16,
             learning_rate=3e-3, width=32,
         )  # fmt: skip
         first = np.mean([h["loss"] for h in history[:5]])
@@ -81,6 +83,8 @@ def test_objectives_train_and_evaluate(pair, features):
         result = training.evaluate(head, features, target.model, drafter.model)
         assert result["mean_kl"] < base["mean_kl"], (objective, result, base)
         assert set(result) == set(base)
+    with pytest.raises(ValueError, match="target logits have shape"):
+        training.train_head(training.Objective("kl"), features, logits[:3], drafter.model)
 
 
 def test_vocabulary_mismatch_is_rejected(pair, tmp_path):

@@ -1,0 +1,65 @@
+"""Speculative decoding with a target and a drafter sharing a vocabulary (jitted, batched).
+
+Example::
+
+  import models
+  from jaxcert import decoding
+
+  target = models.load("qwen2.5-coder-1.5b-instruct")
+  drafter = models.load("qwen2.5-coder-0.5b-instruct")
+  config = decoding.DecodeConfig(verification=decoding.parse_verify("greedy"),
+                                 max_new_tokens=64, eos_ids=(151645,))
+  out = decoding.speculative_decode(target, drafter, [prompt_ids],
+                                    policy=decoding.parse_policy("svip:0.3"), config=config)
+"""
+
+from jaxcert.decoding.api import (
+    DecodeOutput,
+    check_pair,
+    speculative_decode,
+    split_model,
+    target_decode,
+)
+from jaxcert.decoding.loop import DecodeConfig
+from jaxcert.decoding.policies import (
+    SVIP,
+    Certified,
+    Confidence,
+    Constant,
+    Heuristic,
+    Policy,
+    PolicyParams,
+    parse_policy,
+)
+from jaxcert.decoding.state import DecodeState, DraftTree, NodeStats, PolicyState, RoundStats
+from jaxcert.decoding.tree import Chain, DynamicTree, StaticTree, parse_tree
+from jaxcert.decoding.verify import Verification, in_accepted_set, parse_verify
+
+__all__ = [
+    "Certified",
+    "Chain",
+    "Confidence",
+    "Constant",
+    "DecodeConfig",
+    "DecodeOutput",
+    "DecodeState",
+    "DraftTree",
+    "DynamicTree",
+    "Heuristic",
+    "NodeStats",
+    "Policy",
+    "PolicyParams",
+    "PolicyState",
+    "RoundStats",
+    "SVIP",
+    "StaticTree",
+    "Verification",
+    "check_pair",
+    "in_accepted_set",
+    "parse_policy",
+    "parse_tree",
+    "parse_verify",
+    "speculative_decode",
+    "split_model",
+    "target_decode",
+]

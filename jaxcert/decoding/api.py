@@ -1,0 +1,234 @@
+"""Host-side entry points: batches of token prompts in, tokens, statistics and timings out.
+
+Both decoders compile ahead of time (timed as ``compile_s``, cached per configuration and
+shape), then run in calls of a few rounds (or steps) so a progress callback can follow;
+``decode_s`` is the wall time of those calls alone, ``prefill_s`` that of the prompt pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxcert.decoding import loop
+from jaxcert.decoding import policies as policies_lib
+from jaxcert.decoding.state import RoundStats
+
+__all__ = ["DecodeOutput", "speculative_decode", "target_decode", "check_pair", "split_model"]
+
+_COMPILED: dict = {}
+
+
+@dataclasses.dataclass
+class DecodeOutput:
+    """Result of decoding one batch.
+
+    Attributes:
+      tokens: per row, the output token ids (prompt excluded, end token included).
+      stats: per-round statistics, numpy ``[R, B, ...]`` (``None`` for target-only).
+      rounds: ``[B]`` rounds (speculative) or steps (target-only) per row.
+      prefill_s, decode_s, compile_s: wall times in seconds.
+    """
+
+    tokens: list[np.ndarray]
+    stats: RoundStats | None
+    rounds: np.ndarray
+    prefill_s: float
+    decode_s: float
+    compile_s: float
+
+    @property
+    def num_tokens(self) -> int:
+        return int(sum(len(t) for t in self.tokens))
+
+
+def split_model(model) -> tuple[nnx.GraphDef, nnx.State]:
+    """``(graphdef, params)`` of a ``models.LoadedModel``, an ``nnx.Module`` or such a pair."""
+    if isinstance(model, tuple) and len(model) == 2:
+        return model
+    module = getattr(model, "model", model)
+    if not isinstance(module, nnx.Module):
+        raise ValueError(f"expected a models.LoadedModel or an nnx.Module, got {type(model)}")
+    return nnx.split(module)
+
+
+def _config_of(model):
+    module = getattr(model, "model", model)
+    return getattr(module, "config", None)
+
+
+def check_pair(target, drafter) -> None:
+    """Raises a ``ValueError`` unless target and drafter share the vocabulary (and tokenizer)."""
+    tc, dc = _config_of(target), _config_of(drafter)
+    if tc is not None and dc is not None and tc.vocab_size != dc.vocab_size:
+        raise ValueError(
+            f"target and drafter vocabularies differ: the target has {tc.vocab_size} logit "
+            f"rows, the drafter {dc.vocab_size}; speculative decoding needs one vocabulary"
+        )
+    tt, dt = getattr(target, "tokenizer", None), getattr(drafter, "tokenizer", None)
+    if tt is not None and dt is not None and tt.get_vocab() != dt.get_vocab():
+        raise ValueError(
+            f"target and drafter tokenizers differ (target {len(tt)} tokens, drafter "
+            f"{len(dt)} tokens); speculative decoding needs one tokenizer"
+        )
+
+
+def _pad_prompts(prompts: Sequence[Sequence[int]], width: int | None, minimum: int):
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    if len(prompts) == 0:
+        raise ValueError("no prompts")
+    if lengths.min() < minimum:
+        raise ValueError(f"every prompt needs at least {minimum} tokens, got {lengths.min()}")
+    w = int(lengths.max()) if width is None else width
+    if w < lengths.max():
+        raise ValueError(f"prompt_width={w} is shorter than the longest prompt ({lengths.max()})")
+    out = np.zeros((len(prompts), w), np.int32)
+    for row, ids in enumerate(prompts):
+        out[row, : len(ids)] = ids
+    return jnp.asarray(out), jnp.asarray(lengths)
+
+
+def _compile(fn, args: tuple, static: dict):
+    """AOT-compiles ``fn`` (a ``jax.jit``) once per static arguments and argument shapes.
+
+    ``args`` are the dynamic arguments (arrays or ``ShapeDtypeStruct``s), ``static`` the static
+    ones by name; the result is called with the dynamic arguments only.
+    """
+    leaves, treedef = jax.tree.flatten(args)
+    avals = tuple((tuple(x.shape), str(x.dtype)) for x in leaves)
+    signature = (fn, tuple(sorted(static.items(), key=lambda kv: kv[0])), str(treedef), avals)
+    if signature not in _COMPILED:
+        _COMPILED[signature] = fn.lower(*args, **static).compile()
+    return _COMPILED[signature]
+
+
+def _outputs(state) -> tuple[list[np.ndarray], np.ndarray]:
+    tokens, length, prompt = jax.device_get((state.tokens, state.length, state.prompt_length))
+    return [tokens[b, prompt[b] : length[b]].copy() for b in range(len(length))], np.asarray(
+        jax.device_get(state.rounds)
+    )
+
+
+def speculative_decode(
+    target,
+    drafter,
+    prompts: Sequence[Sequence[int]],
+    *,
+    policy: policies_lib.Policy,
+    config: loop.DecodeConfig,
+    key: jax.Array | None = None,
+    prompt_width: int | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> DecodeOutput:
+    """Speculative decoding of one batch of token prompts.
+
+    Args:
+      target, drafter: ``models.LoadedModel`` or ``nnx.Module`` (same vocabulary).
+      prompts: ``B`` token-id sequences, each of length >= 2.
+      policy: the draft-length policy (:func:`~jaxcert.decoding.policies.parse_policy`).
+      config: a :class:`~jaxcert.decoding.loop.DecodeConfig`.
+      key: PRNG key (sampling); default ``jax.random.key(0)``.
+      prompt_width: pad prompts to this width (share one compilation across batches).
+      progress: called with the number of new output tokens after every call.
+
+    Returns:
+      A :class:`DecodeOutput`.
+
+    Raises:
+      ValueError: mismatched vocabularies, short prompts or an invalid config.
+    """
+    check_pair(target, drafter)
+    t_graph, t_params = split_model(target)
+    d_graph, d_params = split_model(drafter)
+    prompt, lengths = _pad_prompts(prompts, prompt_width, 2)
+    key = jax.random.key(0) if key is None else key
+    sizes = loop.Sizes.for_prompts(prompt.shape[1], config, config.max_new_tokens)
+    params = policies_lib.PolicyParams.from_policy(policy)
+    if isinstance(config.tree, loop.tree_lib.Chain) and policy.k_max > config.max_draft:
+        params = params.replace(k_max=jnp.asarray(config.max_draft, jnp.int32))
+    t0 = time.perf_counter()
+    graphs = {"t_graph": t_graph, "d_graph": d_graph}
+    pre_args = (t_params, d_params, prompt, lengths, params, key)
+    pre = _compile(loop.prefill, pre_args, graphs | {"config": config, "sizes": sizes})
+    run_args = (t_params, d_params, pre.out_info, params)
+    run = _compile(loop.run_rounds, run_args, graphs | {"config": config})
+    compile_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    state = pre(t_params, d_params, prompt, lengths, params, key)
+    jax.block_until_ready(state)
+    prefill_s = time.perf_counter() - t0
+    decode_s, chunks = 0.0, []
+    done = False
+    while not done:
+        t0 = time.perf_counter()
+        state, stats = run(t_params, d_params, state, params)
+        stats, done, generated = jax.device_get(
+            (stats, jnp.all(state.done), jnp.sum(state.length - state.prompt_length))
+        )
+        decode_s += time.perf_counter() - t0
+        chunks.append(stats)
+        if progress is not None:
+            progress(int(generated))
+    stats = jax.tree.map(lambda *xs: np.concatenate(xs, axis=0), *chunks)
+    keep = np.any(stats.active, axis=1)
+    stats = jax.tree.map(lambda x: x[keep], stats)
+    tokens, rounds = _outputs(state)
+    return DecodeOutput(tokens, stats, rounds, prefill_s, decode_s, compile_s)
+
+
+def target_decode(
+    target,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    eos_ids: tuple[int, ...] = (),
+    key: jax.Array | None = None,
+    prompt_width: int | None = None,
+    steps_per_call: int = 16,
+    progress: Callable[[int], None] | None = None,
+) -> DecodeOutput:
+    """Target-only decoding (greedy at temperature 0, else sampled), the speed baseline.
+
+    Arguments as in :func:`speculative_decode`; prompts need at least 1 token.
+    """
+    graph, params = split_model(target)
+    prompt, lengths = _pad_prompts(prompts, prompt_width, 1)
+    key = jax.random.key(0) if key is None else key
+    sizes = loop.Sizes.for_prompts(prompt.shape[1], None, max_new_tokens)
+    t0 = time.perf_counter()
+    pre_args = (params, prompt, lengths, key)
+    pre = _compile(loop.prefill_target, pre_args, {"graph": graph, "sizes": sizes})
+    kw = dict(
+        graph=graph,
+        steps=steps_per_call,
+        max_new_tokens=max_new_tokens,
+        temperature=float(temperature),
+        top_p=float(top_p),
+        eos_ids=tuple(eos_ids),
+    )
+    run = _compile(loop.run_target_steps, (params, pre.out_info), kw)
+    compile_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    state = pre(*pre_args)
+    jax.block_until_ready(state)
+    prefill_s = time.perf_counter() - t0
+    decode_s, done = 0.0, False
+    while not done:
+        t0 = time.perf_counter()
+        state = run(params, state)
+        done, generated = jax.device_get(
+            (jnp.all(state.done), jnp.sum(state.length - state.prompt_length))
+        )
+        decode_s += time.perf_counter() - t0
+        if progress is not None:
+            progress(int(generated))
+    tokens, rounds = _outputs(state)
+    return DecodeOutput(tokens, None, rounds, prefill_s, decode_s, compile_s)

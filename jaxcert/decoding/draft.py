@@ -1,0 +1,295 @@
+"""The drafter's side of a round: re-read the new tokens, then draft a chain or a tree.
+
+The drafter's cache has ``B * M`` rows, one per tree branch ("virtual rows", ``M = 1`` for
+chains): a branch's row holds its own ancestors, so every draft step is a plain one-token
+forward of ``B * M`` rows (the model's cache API lets a token see all committed entries of its
+row, so branches of one row cannot share a cache row). All virtual rows of a row share the
+committed prefix. Dynamic trees re-point a frontier slot to another parent by copying that
+parent's row segment (``D`` slots) before the step.
+
+Step 0 re-reads ``s[drafter_start:n)`` (static width ``W``) on one virtual row per row, copies
+it to the others, and projects only the last real position through the lm-head. Then, while a
+row's policy says continue, the frontier (depth ``d`` nodes) is fed and its children drafted.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+
+from jaxcert.decoding import policies as policies_lib
+from jaxcert.decoding import tree as tree_lib
+from jaxcert.decoding.state import DraftTree, PolicyState
+from jaxcert.decoding.verify import sampling_log_probs
+from models.cache import KVCache
+
+__all__ = ["draft", "lm_head"]
+
+
+def lm_head(graphdef: nnx.GraphDef, params: nnx.State, hidden: jax.Array) -> jax.Array:
+    """Logits ``[..., V]`` float32 of final-norm hidden states ``[..., E]`` (as ``forward``)."""
+    model = nnx.merge(graphdef, params)
+    if model.lm_head is None:
+        w, spec = model.embedding[...], "...E,VE->...V"
+    else:
+        w, spec = model.lm_head[...], "...E,EV->...V"
+    return jnp.einsum(spec, hidden.astype(w.dtype), w, preferred_element_type=jnp.float32)
+
+
+def _forward(graphdef, params, tokens, cache):
+    import models  # local: the decoding package imports without loading the models eagerly
+
+    return models.forward(graphdef, params, tokens, cache)
+
+
+def _repeat(cache: KVCache, m: int) -> KVCache:
+    rep = lambda x: jnp.repeat(x, m, axis=0)  # noqa: E731
+    return KVCache(
+        keys=tuple(rep(k) for k in cache.keys),
+        values=tuple(rep(v) for v in cache.values),
+        length=rep(cache.length),
+    )
+
+
+def _copy_segments(cache: KVCache, src: jax.Array, start: jax.Array, width: int) -> KVCache:
+    """Row ``r`` gets row ``src[r]``'s slots ``[start[r], start[r] + width)``."""
+
+    def move(buf):  # [BM, G, S, D]
+        take = jax.vmap(lambda x, s: lax.dynamic_slice_in_dim(x, s, width, axis=1))
+        region = take(buf, start)[src]
+        put = jax.vmap(lambda x, r, s: lax.dynamic_update_slice_in_dim(x, r, s, axis=1))
+        return put(buf, region, start)
+
+    return cache.replace(
+        keys=tuple(move(k) for k in cache.keys), values=tuple(move(v) for v in cache.values)
+    )
+
+
+def _reread(graphdef, params, cache, tokens, start, length, width, m):
+    """Step 0: rolls back to ``start``, reads ``s[start:length)``; root logits ``[B, V]``.
+
+    When every row has one token to read (the usual case after a rejection) the pass is one
+    token wide instead of ``width``.
+    """
+    import models
+
+    count = length - start
+    if m > 1:
+        cache = jax.tree.map(lambda x: x[::m], cache)
+    cache = cache.rollback(start)
+
+    def read(w):
+        def run(cache):
+            window = jax.vmap(lambda row, s: lax.dynamic_slice_in_dim(row, s, w))(tokens, start)
+            _, cache, hidden = models.forward(graphdef, params, window, cache, return_hidden=True)
+            return jnp.take_along_axis(hidden, (count - 1)[:, None, None], axis=1)[:, 0], cache
+
+        return run
+
+    if width > 1:
+        last, cache = lax.cond(jnp.all(count == 1), read(1), read(width), cache)
+    else:
+        last, cache = read(1)(cache)
+    cache = cache.commit(count)
+    return lm_head(graphdef, params, last), (_repeat(cache, m) if m > 1 else cache)
+
+
+def _first_children(key, q_root, m, sampling, temperature, top_p):
+    """Top-``m`` children of the root (``m`` draws without replacement when sampling)."""
+    logq = jax.nn.log_softmax(q_root.astype(jnp.float32), axis=-1)
+    if sampling:
+        lp = sampling_log_probs(q_root, temperature, top_p)
+        _, tok = lax.top_k(lp + jax.random.gumbel(key, lp.shape), m)
+        valid = jnp.isfinite(jnp.take_along_axis(lp, tok, axis=-1))
+    else:
+        _, tok = lax.top_k(logq, m)
+        valid = jnp.ones(tok.shape, bool)
+    return tok.astype(jnp.int32), jnp.take_along_axis(logq, tok, axis=-1), valid
+
+
+def _next_token(key, q, sampling, temperature, top_p):
+    """One child per frontier node: ``q`` ``[B, M, V]`` -> tokens and raw log-probs ``[B, M]``."""
+    logq = jax.nn.log_softmax(q.astype(jnp.float32), axis=-1)
+    if sampling:
+        tok = jax.random.categorical(key, sampling_log_probs(q, temperature, top_p), axis=-1)
+    else:
+        tok = jnp.argmax(q, axis=-1)
+    tok = tok.astype(jnp.int32)
+    return tok, jnp.take_along_axis(logq, tok[..., None], axis=-1)[..., 0]
+
+
+def draft(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    cache: KVCache,
+    *,
+    tokens: jax.Array,
+    length: jax.Array,
+    start: jax.Array,
+    limit: jax.Array,
+    policy: policies_lib.PolicyParams,
+    policy_state: PolicyState,
+    key: jax.Array,
+    shape: tree_lib.TreeShape,
+    max_depth: int,
+    width: int,
+    sampling: bool,
+    temperature: float,
+    top_p: float,
+) -> tuple[DraftTree, KVCache]:
+    """Drafts one tree (or chain) per row.
+
+    Args:
+      graphdef, params: the drafter.
+      cache: the drafter's cache, ``B * M`` rows.
+      tokens: ``[B, S]`` the sequences; ``length`` ``[B]`` their lengths ``n``.
+      start: ``[B]`` first index to re-read (``n - start <= width``).
+      limit: ``[B]`` int32 deepest useful depth (the token budget; at least 1).
+      policy, policy_state: the draft-length policy.
+      key: PRNG key (sampling).
+      shape: chain, static or dynamic tree; ``max_depth`` its depth ``D``; ``width`` ``W``.
+      sampling, temperature, top_p: draw instead of taking the drafter's top choices.
+
+    Returns:
+      ``(tree, cache)``: the :class:`DraftTree` and the drafter cache (garbage past ``n``).
+    """
+    m = 1 if isinstance(shape, tree_lib.Chain) else shape.m
+    dynamic = isinstance(shape, tree_lib.DynamicTree)
+    b = tokens.shape[0]
+    q_root, cache = _reread(graphdef, params, cache, tokens, start, length, width, m)
+    v = q_root.shape[-1]
+    key, sub = jax.random.split(key)
+    tok, logq, valid = _first_children(sub, q_root, m, sampling, temperature, top_p)
+    expanded = 1 + (max_depth - 1) * m
+    q_buf = jnp.zeros((b, expanded, v), jnp.float32).at[:, 0].set(q_root)
+    pool = m + (max_depth - 1) * m * m if dynamic else m * max_depth
+    nodes = {
+        "tokens": jnp.zeros((b, pool), jnp.int32).at[:, :m].set(tok),
+        "valid": jnp.zeros((b, pool), bool).at[:, :m].set(valid),
+        "cum": jnp.full((b, pool), -jnp.inf, jnp.float32).at[:, :m].set(logq),
+    }
+    if dynamic:
+        ar = jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32), (b, m))
+        nodes |= {
+            "parent": jnp.full((b, pool), -1, jnp.int32),
+            "depth": jnp.ones((b, pool), jnp.int32),
+            "rank": jnp.zeros((b, pool), jnp.int32).at[:, :m].set(ar),
+            "q_index": jnp.zeros((b, pool), jnp.int32),
+        }
+    feats = policies_lib.drafter_features(q_root)
+    one = jnp.ones((b,), jnp.int32)
+    cont = policies_lib.should_continue(policy, policy_state, feats, one) & (1 < limit)
+    frontier = (tok, jnp.arange(m, dtype=jnp.int32)[None].repeat(b, 0), valid, logq)
+    seg_start = jnp.repeat(length, m)
+
+    def cond(carry):
+        depth, cont = carry[0], carry[1]
+        return (depth < max_depth) & jnp.any(cont)
+
+    def body(carry):
+        depth, cont, frontier, parent_slot, nodes, q_buf, cache, key = carry
+        f_tok, f_node, f_valid, f_cum = frontier
+        if dynamic:
+            src = (jnp.arange(b)[:, None] * m + parent_slot).reshape(-1)
+            cache = _copy_segments(cache, src, seg_start, max_depth)
+        logits, cache = _forward(graphdef, params, f_tok.reshape(b * m, 1), cache)
+        cache = cache.commit(1)
+        q = logits[:, 0].reshape(b, m, v)
+        q_buf = lax.dynamic_update_slice_in_dim(q_buf, q, 1 + (depth - 1) * m, axis=1)
+        key, sub = jax.random.split(key)
+        go = cont[:, None] & f_valid
+        if dynamic:
+            logq = jax.nn.log_softmax(q, axis=-1)
+            c_logq, c_tok = lax.top_k(logq, m)  # [B, M, M]
+            c_cum = f_cum[..., None] + c_logq
+            c_valid = jnp.broadcast_to(go[..., None], c_cum.shape)
+            at = m + (depth - 1) * m * m
+            flat = lambda x: x.reshape(b, m * m)  # noqa: E731
+            updates = {
+                "tokens": flat(c_tok.astype(jnp.int32)),
+                "valid": flat(c_valid),
+                "cum": flat(jnp.where(c_valid, c_cum, -jnp.inf)),
+                "parent": flat(jnp.broadcast_to(f_node[..., None], c_cum.shape)),
+                "depth": jnp.full((b, m * m), depth + 1, jnp.int32),
+                "rank": flat(jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32), c_cum.shape)),
+                "q_index": flat(
+                    jnp.broadcast_to(1 + (depth - 1) * m + jnp.arange(m)[:, None], c_cum.shape)
+                ).astype(jnp.int32),
+            }
+            nodes = {
+                k: lax.dynamic_update_slice_in_dim(nodes[k], updates[k], at, axis=1) for k in nodes
+            }
+            score = flat(jnp.where(c_valid, c_cum, -jnp.inf))
+            _, pick = lax.top_k(score, m)  # [B, M]
+            take = lambda x: jnp.take_along_axis(flat(x), pick, axis=1)  # noqa: E731
+            new_frontier = (take(c_tok).astype(jnp.int32), at + pick, take(c_valid), take(c_cum))
+            parent_slot = (pick // m).astype(jnp.int32)
+        else:
+            c_tok, c_logq = _next_token(sub, q, sampling, temperature, top_p)
+            at = depth * m
+            nodes = {
+                "tokens": lax.dynamic_update_slice_in_dim(nodes["tokens"], c_tok, at, axis=1),
+                "valid": lax.dynamic_update_slice_in_dim(nodes["valid"], go, at, axis=1),
+                "cum": lax.dynamic_update_slice_in_dim(nodes["cum"], f_cum + c_logq, at, axis=1),
+            }
+            new_frontier = (c_tok, f_node + m, go, f_cum + c_logq)
+        # The policy reads the distribution of the most probable branch.
+        best = jnp.argmax(jnp.where(f_valid, f_cum, -jnp.inf), axis=-1)
+        feats = policies_lib.drafter_features(q[jnp.arange(b), best])
+        more = policies_lib.should_continue(policy, policy_state, feats, one * (depth + 1))
+        cont = cont & more & (depth + 1 < limit)
+        return depth + 1, cont, new_frontier, parent_slot, nodes, q_buf, cache, key
+
+    parent_slot = jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32), (b, m))
+    init = (jnp.asarray(1, jnp.int32), cont, frontier, parent_slot, nodes, q_buf, cache, key)
+    _, _, _, _, nodes, q_buf, cache, _ = lax.while_loop(cond, body, init)
+    if dynamic:
+        return _select_dynamic(nodes, q_buf, shape.nodes), cache
+    st = tree_lib.static_structure(m, max_depth)
+    full = lambda a: jnp.broadcast_to(jnp.asarray(a, jnp.int32), (b, a.shape[0]))  # noqa: E731
+    tree = DraftTree(
+        tokens=nodes["tokens"],
+        parent=full(st.parent),
+        depth=full(st.depth),
+        rank=full(st.rank),
+        valid=nodes["valid"],
+        q_index=full(st.q_index),
+        q_logits=q_buf,
+    )
+    return tree, cache
+
+
+def _select_dynamic(nodes: dict, q_buf: jax.Array, n: int) -> DraftTree:
+    """EAGLE-2 re-ranking: keep the ``n`` best nodes by cumulative log-probability.
+
+    A child never scores above its parent and ties go to the lower pool index (parents come
+    first), so the kept set is closed under taking parents. Kept nodes are listed in pool order
+    (topological), drafted ones first.
+    """
+    b, pool = nodes["tokens"].shape
+    _, pick = lax.top_k(nodes["cum"], n)  # valid nodes first (invalid ones are -inf)
+    kept_valid = jnp.take_along_axis(nodes["valid"], pick, axis=1)
+    order = jnp.argsort(jnp.where(kept_valid, pick, pool + pick), axis=1)
+    pick = jnp.take_along_axis(pick, order, axis=1)  # [B, N] pool indices, topological
+    take = lambda x: jnp.take_along_axis(x, pick, axis=1)  # noqa: E731
+    rows = jnp.arange(b)[:, None]
+    order = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
+    new_index = jnp.full((b, pool), -1, jnp.int32).at[rows, pick].set(order)
+    parent_pool = take(nodes["parent"])
+    parent = jnp.where(
+        parent_pool >= 0,
+        jnp.take_along_axis(new_index, jnp.maximum(parent_pool, 0), axis=1),
+        DraftTree.NO_PARENT,
+    )
+    valid = take(nodes["valid"]) & ((parent_pool < 0) | (parent >= 0))
+    return DraftTree(
+        tokens=take(nodes["tokens"]),
+        parent=parent,
+        depth=take(nodes["depth"]),
+        rank=take(nodes["rank"]),
+        valid=valid,
+        q_index=take(nodes["q_index"]),
+        q_logits=q_buf,
+    )

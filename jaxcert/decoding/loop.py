@@ -1,0 +1,490 @@
+"""The jitted decoders: prefill, the speculative round loop and the target-only loop.
+
+A round: the drafter re-reads the new tokens and drafts a chain or tree under the policy
+(:mod:`~jaxcert.decoding.draft`); the target scores the root and every drafted node in ONE
+forward pass (tree attention mask, positions ``length + depth``); the rule (or rejection
+sampling) accepts a root path; the target cache keeps that path (``commit`` for chains,
+``select`` for trees) and the target's own token is appended. Each call of :func:`run_rounds`
+runs up to ``rounds_per_call`` rounds in a ``lax.while_loop`` on device; the host sees only
+finished calls (for the progress bar).
+
+The verification pass has a static width, but the drafted depth varies: the pass is a
+``lax.switch`` over a few widths ("buckets", each compiled once), taking the smallest that
+holds every row's drafted nodes, so a 3-token draft is not scored at ``K_max + 1`` positions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+
+from jaxcert.decoding import policies as policies_lib
+from jaxcert.decoding import stats as stats_lib
+from jaxcert.decoding import tree as tree_lib
+from jaxcert.decoding.draft import draft
+from jaxcert.decoding.state import DecodeState, RoundStats
+from jaxcert.decoding.verify import (
+    Verification,
+    in_accepted_set,
+    sample_tree,
+    sampling_log_probs,
+)
+from models.cache import KVCache
+
+__all__ = ["DecodeConfig", "prefill", "run_rounds", "prefill_target", "run_target_steps"]
+
+_LEVEL_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecodeConfig:
+    """Static settings of a decoder (one compilation per distinct config and shape).
+
+    Attributes:
+      verification: draft shape and rule (``rule=None``: speculative sampling).
+      max_new_tokens: output budget per row.
+      max_draft: deepest chain (``K_max``); trees use their own depth.
+      temperature: ``0`` for deterministic rules, ``> 0`` for sampling.
+      top_p: nucleus truncation for sampling (``1.0``: none).
+      eos_ids: tokens that end a row (kept in its output).
+      collect_stats: compute certificates for every drafted node (KL and entropies are always
+        computed).
+      buckets: verification widths in drafted nodes (sorted; the last must be the node
+        count); ``None`` picks a default.
+      rounds_per_call: rounds per jitted call (the host sees progress between calls).
+    """
+
+    verification: Verification = Verification()
+    max_new_tokens: int = 128
+    max_draft: int = policies_lib.DEFAULT_K_MAX
+    temperature: float = 0.0
+    top_p: float = 1.0
+    eos_ids: tuple[int, ...] = ()
+    collect_stats: bool = True
+    buckets: tuple[int, ...] | None = None
+    rounds_per_call: int = 8
+
+    def __post_init__(self):
+        for name in ("max_new_tokens", "max_draft", "rounds_per_call"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.verification.sampling != (self.temperature > 0):
+            raise ValueError(
+                f"temperature {self.temperature} does not fit verification "
+                f"{self.verification.spec!r}: speculative sampling ('sample', "
+                "'tree:MxD+sample') needs temperature > 0; deterministic rules need 0"
+            )
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.buckets is not None:
+            b = tuple(self.buckets)
+            if not b or list(b) != sorted(set(b)) or b[0] < 1 or b[-1] != self.num_nodes:
+                raise ValueError(
+                    f"buckets must increase from >= 1 to the node count {self.num_nodes}, got {b}"
+                )
+
+    @property
+    def tree(self) -> tree_lib.TreeShape:
+        return self.verification.tree
+
+    @property
+    def branching(self) -> int:
+        """``M``: drafter rows per batch row."""
+        return 1 if isinstance(self.tree, tree_lib.Chain) else self.tree.m
+
+    @property
+    def depth(self) -> int:
+        """``D``: the deepest drafted node."""
+        return self.max_draft if isinstance(self.tree, tree_lib.Chain) else self.tree.depth
+
+    @property
+    def num_nodes(self) -> int:
+        """``N``: node slots per round."""
+        if isinstance(self.tree, tree_lib.DynamicTree):
+            return self.tree.nodes
+        return self.branching * self.depth
+
+    @property
+    def reread(self) -> int:
+        """``W``: tokens the drafter re-reads at the start of a round."""
+        return 2 if isinstance(self.tree, tree_lib.Chain) else self.depth + 1
+
+    def verify_buckets(self) -> tuple[int, ...]:
+        if self.buckets is not None:
+            return tuple(self.buckets)
+        if isinstance(self.tree, tree_lib.DynamicTree):
+            n = self.num_nodes
+            return tuple(sorted({max(1, n // 4), max(1, n // 2), n}))
+        levels = [x for x in _LEVEL_BUCKETS if x < self.depth] + [self.depth]
+        return tuple(self.branching * x for x in levels)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """Static buffer sizes: sequence slots, target cache slots, drafter cache slots."""
+
+    sequence: int
+    target: int
+    drafter: int
+
+    @classmethod
+    def for_prompts(cls, prompt_width: int, config: DecodeConfig | None, max_new: int) -> Sizes:
+        d = config.depth if config else 0
+        n = config.num_nodes if config else 1
+        w = config.reread if config else 1
+        up = lambda x: 16 * math.ceil(x / 16)  # noqa: E731
+        base = prompt_width + max_new + d + 2
+        return cls(sequence=up(base + w), target=up(base + n), drafter=up(base + w + d))
+
+
+def _forward(graph, params, tokens, cache, **kw):
+    import models
+
+    return models.forward(graph, params, tokens, cache, **kw)
+
+
+def _new_cache(graph, params, batch, slots) -> KVCache:
+    model = nnx.merge(graph, params)
+    return KVCache.create(model.config, batch, slots, dtype=model.dtype)
+
+
+def _sequence(prompt, sizes):
+    b, w = prompt.shape
+    return jnp.full((b, sizes.sequence), DecodeState.PAD, jnp.int32).at[:, :w].set(prompt)
+
+
+@functools.partial(jax.jit, static_argnames=("t_graph", "d_graph", "config", "sizes"))
+def prefill(t_params, d_params, prompt, lengths, policy, key, *, t_graph, d_graph, config, sizes):
+    """Reads the prompts into both caches.
+
+    Args:
+      t_params, d_params: target and drafter parameters (``nnx.split``).
+      prompt: ``[B, W]`` int32 right-padded prompts; ``lengths`` ``[B]`` their lengths (>= 2).
+      policy: :class:`~jaxcert.decoding.policies.PolicyParams`.
+      key: PRNG key.
+      t_graph, d_graph: their graph definitions (static).
+      config: :class:`DecodeConfig`; sizes: :class:`Sizes`.
+
+    Returns:
+      The initial :class:`DecodeState`.
+    """
+    b = prompt.shape[0]
+    t_cache = _new_cache(t_graph, t_params, b, sizes.target)
+    _, t_cache = _forward(t_graph, t_params, prompt, t_cache)
+    d_cache = _new_cache(d_graph, d_params, b, sizes.drafter)
+    _, d_cache = _forward(d_graph, d_params, prompt, d_cache)
+    m = config.branching
+    d_cache = jax.tree.map(lambda x: jnp.repeat(x, m, axis=0), d_cache.commit(lengths - 2))
+    return DecodeState(
+        tokens=_sequence(prompt, sizes),
+        length=lengths,
+        prompt_length=lengths,
+        done=jnp.zeros((b,), bool),
+        drafter_start=lengths - 2,
+        target_cache=t_cache.commit(lengths - 1),
+        drafter_cache=d_cache,
+        policy=policies_lib.init_policy_state(policy, b),
+        key=key,
+        rounds=jnp.zeros((b,), jnp.int32),
+    )
+
+
+def _children(sub: dict, positions: int, m: int):
+    """``[B, T, M]`` children of each position by rank and ``[B, T]`` their ``q_index``."""
+    b, n = sub["parent"].shape
+    rows = jnp.arange(b)[:, None]
+    at = jnp.where(sub["valid"], sub["parent"] + 1, positions)  # invalid nodes are dropped
+    nodes = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
+    children = jnp.full((b, positions, m), -1, jnp.int32)
+    children = children.at[rows, at, sub["rank"]].set(nodes, mode="drop")
+    expanded = jnp.zeros((b, positions), jnp.int32).at[rows, at].set(sub["q_index"], mode="drop")
+    return children, expanded
+
+
+def _verify(nb, operands, *, t_graph, config):
+    """Target pass over the root and the first ``nb`` nodes, acceptance and node statistics."""
+    t_params, cache, tree, tokens, length, key = operands
+    v = config.verification
+    b, big_n = tree.tokens.shape
+    rows = jnp.arange(b)
+    fields = ("tokens", "parent", "depth", "rank", "valid", "q_index")
+    sub = {name: getattr(tree, name)[:, :nb] for name in fields}
+    root = tokens[rows, length - 1]
+    toks = jnp.concatenate([root[:, None], sub["tokens"]], axis=1)  # [B, T]
+    positions = (length - 1)[:, None] + jnp.concatenate(
+        [jnp.zeros((b, 1), jnp.int32), sub["depth"]], axis=1
+    )
+    shape = config.tree
+    if isinstance(shape, tree_lib.DynamicTree):
+        mask = tree_lib.ancestor_mask(sub["parent"], config.depth)
+    else:
+        st = tree_lib.static_structure(config.branching, config.depth)
+        mask = jnp.broadcast_to(jnp.asarray(st.mask[: nb + 1, : nb + 1]), (b, nb + 1, nb + 1))
+    fwd_mask = None if isinstance(shape, tree_lib.Chain) else mask
+    logits, cache = _forward(
+        t_graph, t_params, toks, cache, positions=positions, attention_mask=fwd_mask
+    )
+    if v.sampling:
+        children, expanded = _children(sub, nb + 1, config.branching)
+        passes, last, token = sample_tree(
+            key,
+            logits,
+            sub["tokens"],
+            children,
+            expanded,
+            tree.q_logits,
+            max_depth=config.depth,
+            temperature=config.temperature,
+            top_p=config.top_p,
+        )
+        on_path = jnp.take_along_axis(mask, last[:, None, None], axis=1)[:, 0, 1:]
+    else:
+        if isinstance(shape, tree_lib.Chain):
+            p_parent = logits[:, :nb]
+        else:
+            p_parent = jnp.take_along_axis(logits, (sub["parent"] + 1)[..., None], axis=1)
+        passes = in_accepted_set(p_parent, sub["tokens"], v.rule) & sub["valid"]
+        on_path, last, _ = tree_lib.accept_longest_path(passes, sub["depth"], mask)
+        token = jnp.argmax(logits[rows, last], axis=-1).astype(jnp.int32)
+    accepted = jnp.sum(on_path, axis=-1, dtype=jnp.int32)
+    offsets = tree_lib.path_offsets(on_path, sub["depth"], config.depth)
+    path_tokens = jnp.take_along_axis(toks, offsets[:, 1:], axis=1)
+    new = jnp.concatenate([path_tokens, jnp.zeros((b, 1), jnp.int32)], axis=1)
+    new = new.at[rows, accepted].set(token)
+    ns = stats_lib.node_stats(
+        logits,
+        tree.q_logits,
+        tokens_valid=sub["valid"],
+        parent=sub["parent"],
+        depth=sub["depth"],
+        rank=sub["rank"],
+        q_index=sub["q_index"],
+        passes=passes,
+        on_path=on_path,
+        rule=v.rule,
+        max_children=config.branching,
+        certify=config.collect_stats,
+    )
+    return cache, accepted, new, offsets, stats_lib.pad_nodes(ns, big_n)
+
+
+def _round(t_graph, t_params, d_graph, d_params, policy, state: DecodeState, config):
+    key, k_draft, k_verify = jax.random.split(state.key, 3)
+    active = ~state.done
+    remaining = config.max_new_tokens - state.generated
+    tree, d_cache = draft(
+        d_graph,
+        d_params,
+        state.drafter_cache,
+        tokens=state.tokens,
+        length=state.length,
+        start=state.drafter_start,
+        limit=jnp.maximum(remaining - 1, 1),
+        policy=policy,
+        policy_state=state.policy,
+        key=k_draft,
+        shape=config.tree,
+        max_depth=config.depth,
+        width=config.reread,
+        sampling=config.verification.sampling,
+        temperature=config.temperature,
+        top_p=config.top_p,
+    )
+    used = tree.valid & active[:, None]
+    n_eff = jnp.max(jnp.where(used, jnp.arange(1, tree.num_nodes + 1), 0))
+    buckets = config.verify_buckets()
+    index = jnp.minimum(jnp.searchsorted(jnp.asarray(buckets), n_eff), len(buckets) - 1)
+    branches = [functools.partial(_verify, nb, t_graph=t_graph, config=config) for nb in buckets]
+    operands = (t_params, state.target_cache, tree, state.tokens, state.length, k_verify)
+    t_cache, accepted, new, offsets, ns = lax.switch(index, branches, operands)
+    return _commit(
+        state,
+        config,
+        policy,
+        key,
+        tree,
+        active,
+        remaining,
+        d_cache,
+        t_cache,
+        accepted,
+        new,
+        offsets,
+        ns,
+    )
+
+
+def _commit(
+    state,
+    config,
+    policy,
+    key,
+    tree,
+    active,
+    remaining,
+    d_cache,
+    t_cache,
+    accepted,
+    new,
+    offsets,
+    ns,
+):
+    """Appends the accepted path and the target token; rolls caches to the kept path."""
+    b = state.length.shape[0]
+    rows = jnp.arange(b)
+    keep = jnp.where(active, accepted + 1, 0)
+    if isinstance(config.tree, tree_lib.Chain):
+        t_cache = t_cache.commit(keep)
+    else:
+        t_cache = t_cache.select(offsets, keep)
+    j = jnp.arange(new.shape[1])
+    eos = jnp.asarray(config.eos_ids or (-1,), jnp.int32)
+    is_eos = jnp.any(new[..., None] == eos, axis=-1) & (j <= accepted[:, None])
+    has_eos = jnp.any(is_eos, axis=-1)
+    count = jnp.where(has_eos, jnp.argmax(is_eos, axis=-1) + 1, accepted + 1)
+    count = jnp.where(active, jnp.minimum(count, remaining), 0).astype(jnp.int32)
+    slots = jnp.where(j < count[:, None], state.length[:, None] + j, state.tokens.shape[1])
+    tokens = state.tokens.at[rows[:, None], slots].set(new, mode="drop")
+    length = state.length + count
+    finished = has_eos | (length - state.prompt_length >= config.max_new_tokens)
+    depth = jnp.max(jnp.where(tree.valid, tree.depth, 0), axis=-1)
+    if isinstance(config.tree, tree_lib.Chain):
+        # After a rejection the drafter already read every kept token but the target's.
+        start = jnp.where(accepted < depth, length - 1, length - 2)
+    else:
+        start = state.length  # re-read the accepted path and the target's token
+    start = jnp.where(active, start, state.drafter_start)
+    verified = ns.reached & (ns.rank == 0) & active[:, None]
+    log_kl = jnp.where(verified, jnp.log(jnp.maximum(ns.kl, 1e-12)), 0.0)
+    policy_state = policies_lib.update_policy_state(
+        policy,
+        state.policy,
+        drafted=depth,
+        accepted=accepted,
+        log_kl_sum=jnp.sum(log_kl, axis=-1),
+        kl_count=jnp.sum(verified, axis=-1).astype(jnp.float32),
+        active=active,
+    )
+    new_state = state.replace(
+        tokens=tokens,
+        length=length,
+        done=state.done | (active & finished),
+        drafter_start=start,
+        target_cache=t_cache,
+        drafter_cache=d_cache,
+        policy=policy_state,
+        key=key,
+        rounds=state.rounds + active.astype(jnp.int32),
+    )
+    mask = lambda x: jnp.where(active[:, None], x, jnp.zeros((), x.dtype))  # noqa: E731
+    round_stats = RoundStats(
+        active=active,
+        drafted=jnp.sum(tree.valid & active[:, None], axis=-1, dtype=jnp.int32),
+        depth=jnp.where(active, depth, 0),
+        accepted=jnp.where(active, accepted, 0),
+        emitted=count,
+        nodes=ns.replace(valid=mask(ns.valid), accepted=mask(ns.accepted)),
+    )
+    return new_state, round_stats
+
+
+@functools.partial(
+    jax.jit, static_argnames=("t_graph", "d_graph", "config"), donate_argnames=("state",)
+)
+def run_rounds(t_params, d_params, state, policy, *, t_graph, d_graph, config):
+    """Up to ``config.rounds_per_call`` rounds (fewer once every row is done).
+
+    Returns:
+      ``(state, stats)``: the new :class:`DecodeState` and a :class:`RoundStats` of
+      ``[rounds_per_call, B, ...]`` (rounds not run have ``active`` all ``False``).
+    """
+    r_max = config.rounds_per_call
+    b = state.length.shape[0]
+    buffers = stats_lib.empty_round_stats(r_max, b, config.num_nodes)
+
+    def cond(carry):
+        r, state, _ = carry
+        return (r < r_max) & ~jnp.all(state.done)
+
+    def body(carry):
+        r, state, buffers = carry
+        state, rs = _round(t_graph, t_params, d_graph, d_params, policy, state, config)
+        buffers = jax.tree.map(lambda buf, x: buf.at[r].set(x), buffers, rs)
+        return r + 1, state, buffers
+
+    _, state, buffers = lax.while_loop(cond, body, (jnp.asarray(0, jnp.int32), state, buffers))
+    return state, buffers
+
+
+@functools.partial(jax.jit, static_argnames=("graph", "sizes"))
+def prefill_target(params, prompt, lengths, key, *, graph, sizes):
+    """Target-only prefill; the state's drafter fields are ``None``."""
+    b = prompt.shape[0]
+    cache = _new_cache(graph, params, b, sizes.target)
+    _, cache = _forward(graph, params, prompt, cache)
+    return DecodeState(
+        tokens=_sequence(prompt, sizes),
+        length=lengths,
+        prompt_length=lengths,
+        done=jnp.zeros((b,), bool),
+        drafter_start=lengths - 2,
+        target_cache=cache.commit(lengths - 1),
+        drafter_cache=None,
+        policy=None,
+        key=key,
+        rounds=jnp.zeros((b,), jnp.int32),
+    )
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("graph", "steps", "max_new_tokens", "temperature", "top_p", "eos_ids"),
+    donate_argnames=("state",),
+)
+def run_target_steps(params, state, *, graph, steps, max_new_tokens, temperature, top_p, eos_ids):
+    """Up to ``steps`` target-only decoding steps (greedy at temperature 0, else sampled)."""
+    b = state.length.shape[0]
+    rows = jnp.arange(b)
+    eos = jnp.asarray(eos_ids or (-1,), jnp.int32)
+
+    def cond(carry):
+        r, state = carry
+        return (r < steps) & ~jnp.all(state.done)
+
+    def body(carry):
+        r, state = carry
+        active = ~state.done
+        key, sub = jax.random.split(state.key)
+        last = state.tokens[rows, state.length - 1]
+        logits, cache = _forward(graph, params, last[:, None], state.target_cache)
+        if temperature > 0:
+            lp = sampling_log_probs(logits[:, 0], temperature, top_p)
+            token = jax.random.categorical(sub, lp, axis=-1).astype(jnp.int32)
+        else:
+            token = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+        step = active.astype(jnp.int32)
+        slot = jnp.where(active, state.length, state.tokens.shape[1])
+        tokens = state.tokens.at[rows, slot].set(token, mode="drop")
+        length = state.length + step
+        finished = jnp.any(token[:, None] == eos, axis=-1) | (
+            length - state.prompt_length >= max_new_tokens
+        )
+        state = state.replace(
+            tokens=tokens,
+            length=length,
+            done=state.done | (active & finished),
+            target_cache=cache.commit(step),
+            key=key,
+            rounds=state.rounds + step,
+        )
+        return r + 1, state
+
+    _, state = lax.while_loop(cond, body, (jnp.asarray(0, jnp.int32), state))
+    return state

@@ -1,0 +1,174 @@
+"""Frozen pytrees carried by the speculative decoder.
+
+Shape letters (STYLE.md): B batch rows, S sequence / cache slots, V vocabulary, N draft-tree
+nodes (the root excluded), E expanded nodes (nodes whose drafter distribution was computed: the
+root and every frontier node), M branching (top-m), K = D draft depth, R rounds of one call.
+
+Sequence bookkeeping, per row ``b`` with ``n = length[b]`` tokens ``s[0..n)`` (prompt and
+output): the target cache has committed ``n - 1`` entries (every token but the last, the
+*root* of the next draft tree, which the verification pass feeds first); the drafter cache is
+rolled back to ``drafter_start[b]`` at the start of a round and re-reads ``s[drafter_start:n)``
+(for chains the target's token, plus the last accepted token when the whole draft was accepted;
+for trees the accepted path and the target's token).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import jax
+from flax import struct
+
+from models.cache import KVCache
+
+__all__ = ["DraftTree", "PolicyState", "DecodeState", "NodeStats", "RoundStats"]
+
+
+@struct.dataclass
+class DraftTree:
+    """One draft tree per row, topologically ordered (every parent before its children).
+
+    Chains and static trees are level-major (node ``(d - 1) * M + r`` is branch ``r`` at depth
+    ``d``); dynamic trees list their drafted nodes first, in expansion order. Verification
+    position ``0`` is the root (the last committed token) and node ``i`` is position ``i + 1``.
+
+    Attributes:
+      tokens: ``[B, N]`` int32 drafted token ids.
+      parent: ``[B, N]`` int32 node index of the parent, ``NO_PARENT`` for children of the root.
+      depth: ``[B, N]`` int32, 1 for children of the root.
+      rank: ``[B, N]`` int32 rank among its siblings in drafter order (0: the drafter's first
+        choice, its argmax when drafting greedily).
+      valid: ``[B, N]`` bool, drafted this round (``False``: padding, never accepted).
+      q_index: ``[B, N]`` int32 row of ``q_logits`` that holds the parent's drafter logits.
+      q_logits: ``[B, E, V]`` float32 drafter logits at the expanded nodes (row 0: the root).
+    """
+
+    NO_PARENT: ClassVar[int] = -1
+    ROOT_POSITION: ClassVar[int] = 0
+
+    tokens: jax.Array  # [B, N]
+    parent: jax.Array  # [B, N]
+    depth: jax.Array  # [B, N]
+    rank: jax.Array  # [B, N]
+    valid: jax.Array  # [B, N]
+    q_index: jax.Array  # [B, N]
+    q_logits: jax.Array  # [B, E, V]
+
+    @property
+    def num_nodes(self) -> int:
+        """N, node slots per row."""
+        return self.tokens.shape[1]
+
+
+@struct.dataclass
+class PolicyState:
+    """Per-row state of a draft-length policy, carried across rounds.
+
+    Attributes:
+      k: ``[B]`` int32 current draft length of the ``heuristic`` schedule.
+      kl_ema: ``[B]`` float32 running mean of ``log KL(p||q)`` at verified drafted positions.
+      kl_count: ``[B]`` float32 number of positions seen by ``kl_ema`` (for its warm-up).
+    """
+
+    k: jax.Array  # [B]
+    kl_ema: jax.Array  # [B]
+    kl_count: jax.Array  # [B]
+
+
+@struct.dataclass
+class DecodeState:
+    """Everything the round loop carries; rows whose ``done`` is set are frozen.
+
+    Attributes:
+      tokens: ``[B, S]`` int32 prompt and output tokens, ``PAD`` beyond ``length``.
+      length: ``[B]`` int32 tokens in the sequence ``n`` (prompt plus output).
+      prompt_length: ``[B]`` int32 prompt tokens.
+      done: ``[B]`` bool, the row reached ``max_new_tokens`` or emitted an end token.
+      drafter_start: ``[B]`` int32 first sequence index the drafter re-reads next round.
+      target_cache: the target's cache (``B`` rows, ``n - 1`` committed per row).
+      drafter_cache: the drafter's cache (``B * M`` rows: one per tree branch).
+      policy: the policy's per-row state.
+      key: PRNG key (used by sampling only).
+      rounds: ``[B]`` int32 rounds each row took part in.
+    """
+
+    PAD: ClassVar[int] = 0
+
+    tokens: jax.Array  # [B, S]
+    length: jax.Array  # [B]
+    prompt_length: jax.Array  # [B]
+    done: jax.Array  # [B]
+    drafter_start: jax.Array  # [B]
+    target_cache: KVCache
+    drafter_cache: KVCache
+    policy: PolicyState
+    key: jax.Array  # [] PRNG key
+    rounds: jax.Array  # [B]
+
+    @property
+    def generated(self) -> jax.Array:
+        """``[B]`` int32 output tokens so far (may exceed the budget by the last round's extra)."""
+        return self.length - self.prompt_length
+
+
+@struct.dataclass
+class NodeStats:
+    """Statistics of every drafted node of one round; every field is ``[B, N]``.
+
+    ``kl``, ``cert`` and ``entropy`` describe the node's *position* (its parent's context): the
+    target ``p`` and drafter ``q`` there. ``cert`` is ``nan`` when certificates are not
+    collected (or in sampling mode).
+
+    Attributes:
+      valid: drafted this round.
+      depth: depth (1-based).
+      rank: rank among siblings (0: the drafter's first choice).
+      passes: the token is in the rule's accepted set ``U(p)`` at its position (sampling: it
+        was accepted by the rejection test when it was reached, else ``False``).
+      accepted: on the accepted root path.
+      reached: its parent's context was verified (the parent is the root or was accepted).
+      kl: ``KL(p || q)`` in nats at its position.
+      cert: the certificate ``C_p`` of the rule (list size 1) at its position.
+      cert_list: the tree certificate of the rule with ``m`` = the parent's number of drafted
+        children (equals ``cert`` when ``m = 1``).
+      covered: some sibling (or the node) passes; meaningful on rank-0 nodes.
+      entropy: drafter entropy ``H(q)`` in nats at its position.
+      q_top: drafter top probability at its position.
+      q_cert: the drafter's own strict-greedy certificate ``C_q`` at its position.
+    """
+
+    valid: jax.Array  # [B, N]
+    depth: jax.Array  # [B, N]
+    rank: jax.Array  # [B, N]
+    passes: jax.Array  # [B, N]
+    accepted: jax.Array  # [B, N]
+    reached: jax.Array  # [B, N]
+    kl: jax.Array  # [B, N]
+    cert: jax.Array  # [B, N]
+    cert_list: jax.Array  # [B, N]
+    covered: jax.Array  # [B, N]
+    entropy: jax.Array  # [B, N]
+    q_top: jax.Array  # [B, N]
+    q_cert: jax.Array  # [B, N]
+
+
+@struct.dataclass
+class RoundStats:
+    """What one call of the round loop records, stacked over its ``R`` rounds.
+
+    Attributes:
+      active: ``[R, B]`` bool, the row took part in the round.
+      drafted: ``[R, B]`` int32 drafted nodes.
+      depth: ``[R, B]`` int32 drafted depth (the draft length ``K`` of a chain).
+      accepted: ``[R, B]`` int32 accepted drafted tokens (the accepted path length).
+      emitted: ``[R, B]`` int32 tokens appended (accepted plus the target's token, truncated at
+        the end token or the budget).
+      nodes: a :class:`NodeStats` with ``[R, B, N]`` fields.
+    """
+
+    active: jax.Array  # [R, B]
+    drafted: jax.Array  # [R, B]
+    depth: jax.Array  # [R, B]
+    accepted: jax.Array  # [R, B]
+    emitted: jax.Array  # [R, B]
+    nodes: NodeStats
