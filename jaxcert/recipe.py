@@ -8,6 +8,7 @@ Compares, at equal steps and seed, a :class:`jaxcert.training.DraftHead` trained
 
 from __future__ import annotations
 
+import gc
 import json
 import pathlib
 import sys
@@ -96,20 +97,38 @@ def run(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     prompt_set = prompts.load_prompts(args.prompts, max_prompts=args.max_prompts)
+    # One model in memory at a time (the 1.5B target alone is 7 GB in float32): the
+    # trunks are only needed for the features; training needs the two lm_heads.
     target = models.load(args.target, dtype=jnp.float32)
-    drafter = models.load(args.drafter, dtype=jnp.float32)
+    target_config = target.config
+    saved = None
     if args.features is not None:
         with np.load(args.features) as f:
-            features = training.FeatureSet(**{k: f[k] for k in f.files})
+            saved = training.FeatureSet(**{k: f[k] for k in f.files})
     else:
         bar, update = _bar("target continuations")
-        features = training.collect_features(
-            target, drafter, prompt_set, steps=args.continuation, progress=update
+        conts = training.greedy_continuations(
+            target, prompt_set, steps=args.continuation, progress=update
         )
         bar.close()
+        target_hidden = training.teacher_forced_states(target, conts)
+    target_head = training.Projection(target.model)
+    del target
+    gc.collect()
+    drafter = models.load(args.drafter, dtype=jnp.float32)
+    training.check_vocabularies(target_config, drafter.config)
+    if saved is not None:
+        features = saved
+    else:
+        features = training.feature_set(
+            conts, target_hidden, training.teacher_forced_states(drafter, conts)
+        )
         np.savez(out / "features.npz", **{k: getattr(features, k) for k in
                                           ("drafter_hidden", "target_hidden", "prompt",
                                            "position", "token")})  # fmt: skip
+    drafter_head = training.Projection(drafter.model)
+    del drafter
+    gc.collect()
     rng = np.random.default_rng(args.seed)
     prompt_ids = np.unique(features.prompt)
     held = rng.choice(prompt_ids, max(1, round(args.heldout * len(prompt_ids))), replace=False)
@@ -120,7 +139,7 @@ def run(args) -> int:
     rules = (rules_lib.StrictGreedy(), rules_lib.TreeCoverage(4))
     kw = dict(rules=rules, draft_length=args.draft_length)
     results = [{"drafter": "untrained (plain drafter)",
-                **training.evaluate(None, test, target.model, drafter.model, **kw)}]  # fmt: skip
+                **training.evaluate(None, test, target_head, drafter_head, **kw)}]  # fmt: skip
     objectives = (
         training.Objective("(a) KL"),
         training.Objective(
@@ -136,18 +155,18 @@ def run(args) -> int:
             margin=args.margin,
         ),  # fmt: skip
     )
-    train_logits = training.target_logits(train, target.model)  # once, for every objective
+    train_logits = training.target_logits(train, target_head)  # once, for every objective
     histories = {}
     for objective in objectives:
         bar, update = _bar(objective.name)
         head, history = training.train_head(
-            objective, train, train_logits, drafter.model, steps=args.train_steps,
+            objective, train, train_logits, drafter_head, steps=args.train_steps,
             batch_size=args.batch_size, learning_rate=args.learning_rate, width=args.width,
             seed=args.seed, progress=update,
         )  # fmt: skip
         bar.close()
         histories[objective.name] = history
-        result = training.evaluate(head, test, target.model, drafter.model, **kw)
+        result = training.evaluate(head, test, target_head, drafter_head, **kw)
         results.append({"drafter": objective.name, **result})
         print(f"[jaxcert] {objective.name}: {result}", file=sys.stderr)
     _plot(histories, out / "training_curves.png")

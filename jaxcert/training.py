@@ -41,6 +41,12 @@ __all__ = [
     "DraftHead",
     "HeadedDrafter",
     "FeatureSet",
+    "Continuations",
+    "Projection",
+    "greedy_continuations",
+    "teacher_forced_states",
+    "feature_set",
+    "check_vocabularies",
     "Objective",
     "collect_features",
     "target_logits",
@@ -121,6 +127,41 @@ class FeatureSet:
         return FeatureSet(*(getattr(self, f.name)[mask] for f in dataclasses.fields(self)))
 
 
+@dataclasses.dataclass(frozen=True)
+class Continuations:
+    """Prompts and the target's greedy continuations, by prompt index.
+
+    Attributes:
+      prompt_ids: prompt index -> token ids of the prompt (chat template applied).
+      generated: prompt index -> the target's greedy continuation (token ids).
+    """
+
+    prompt_ids: dict[int, list[int]]
+    generated: dict[int, list[int]]
+
+
+def greedy_continuations(
+    target_lm,
+    prompt_set: Sequence[prompts.Prompt],
+    *,
+    steps: int = 96,
+    batch_size: int = 8,
+    progress: Callable[[int, int], None] | None = None,
+) -> Continuations:
+    """The target's greedy continuation of every prompt (up to ``steps`` tokens or EOS)."""
+    options = certify.CertifyOptions(steps=steps, batch_size=batch_size)
+    table, _ = certify.certify_prompts(
+        target_lm, prompt_set, (rules_lib.StrictGreedy(),), options, progress=progress
+    )
+    encoded = prompts.encode_prompts(target_lm.tokenizer, prompt_set)
+    rows = table.select(["prompt_id", "token"]).to_pydict()
+    index = {p.id: i for i, p in enumerate(prompt_set)}
+    generated: dict[int, list[int]] = {}
+    for pid, token in zip(rows["prompt_id"], rows["token"], strict=True):
+        generated.setdefault(index[pid], []).append(int(token))
+    return Continuations({i: encoded[i] for i in generated}, dict(sorted(generated.items())))
+
+
 def _features_fn(graphdef, state, tokens, cache):
     return nnx.merge(graphdef, state).features(tokens, cache)[0]
 
@@ -128,14 +169,51 @@ def _features_fn(graphdef, state, tokens, cache):
 _features = jax.jit(_features_fn, static_argnums=0)
 
 
-def _teacher_forced(lm, ids: list[int], width: int) -> np.ndarray:
+def teacher_forced_states(lm, continuations: Continuations) -> np.ndarray:
+    """``[N, E]`` float32 final hidden states of ``lm`` at every continuation position.
+
+    One prefill of prompt + continuation per prompt (one padded width, so one compile);
+    row order is prompt index, then position.
+    """
     import models
 
     graphdef, state = nnx.split(lm.model)
-    tokens = np.zeros((1, width), np.int32)
-    tokens[0, : len(ids)] = ids
-    cache = models.KVCache.create(lm.config, 1, width, dtype=lm.model.dtype)
-    return np.asarray(_features(graphdef, state, jnp.asarray(tokens), cache)[0], np.float32)
+    lengths = [len(continuations.prompt_ids[i]) + len(g) for i, g in
+               continuations.generated.items()]  # fmt: skip
+    width = -(-max(lengths) // 64) * 64
+    out = []
+    for i, generated in continuations.generated.items():
+        ids = continuations.prompt_ids[i] + generated
+        tokens = np.zeros((1, width), np.int32)
+        tokens[0, : len(ids)] = ids
+        cache = models.KVCache.create(lm.config, 1, width, dtype=lm.model.dtype)
+        hidden = _features(graphdef, state, jnp.asarray(tokens), cache)[0]
+        first = len(continuations.prompt_ids[i]) - 1  # predicts the first generated token
+        out.append(np.asarray(hidden[first : first + len(generated)], np.float32))
+    return np.concatenate(out)
+
+
+def feature_set(
+    continuations: Continuations, target_hidden: np.ndarray, drafter_hidden: np.ndarray
+) -> FeatureSet:
+    """Assembles a :class:`FeatureSet` from :func:`teacher_forced_states` of both models."""
+    generated = continuations.generated
+    return FeatureSet(
+        drafter_hidden=drafter_hidden,
+        target_hidden=target_hidden,
+        prompt=np.concatenate([np.full(len(g), i, np.int32) for i, g in generated.items()]),
+        position=np.concatenate([np.arange(len(g), dtype=np.int32) for g in generated.values()]),
+        token=np.concatenate([np.asarray(g, np.int32) for g in generated.values()]),
+    )
+
+
+def check_vocabularies(target_config, drafter_config) -> None:
+    """Raises ``ValueError`` when target and drafter vocabulary sizes differ."""
+    if target_config.vocab_size != drafter_config.vocab_size:
+        raise ValueError(
+            f"vocabulary mismatch: target V={target_config.vocab_size}, "
+            f"drafter V={drafter_config.vocab_size}"
+        )
 
 
 def collect_features(
@@ -152,33 +230,27 @@ def collect_features(
     Raises:
       ValueError: the two models have different vocabulary sizes.
     """
-    if target_lm.config.vocab_size != drafter_lm.config.vocab_size:
-        raise ValueError(
-            f"vocabulary mismatch: target V={target_lm.config.vocab_size}, "
-            f"drafter V={drafter_lm.config.vocab_size}"
-        )
-    options = certify.CertifyOptions(steps=steps, batch_size=batch_size)
-    table, _ = certify.certify_prompts(
-        target_lm, prompt_set, (rules_lib.StrictGreedy(),), options, progress=progress
+    check_vocabularies(target_lm.config, drafter_lm.config)
+    conts = greedy_continuations(
+        target_lm, prompt_set, steps=steps, batch_size=batch_size, progress=progress
     )
-    encoded = prompts.encode_prompts(target_lm.tokenizer, prompt_set)
-    rows = table.select(["prompt_id", "position", "token"]).to_pydict()
-    index = {p.id: i for i, p in enumerate(prompt_set)}
-    continuation: dict[int, list[int]] = {}
-    for pid, token in zip(rows["prompt_id"], rows["token"], strict=True):
-        continuation.setdefault(index[pid], []).append(int(token))
-    width = -(-max(len(encoded[i]) + len(c) for i, c in continuation.items()) // 64) * 64
-    parts = {k: [] for k in ("drafter_hidden", "target_hidden", "prompt", "position", "token")}
-    for i, generated in sorted(continuation.items()):
-        ids = encoded[i] + generated
-        first = len(encoded[i]) - 1  # the hidden state that predicts the first generated token
-        span = slice(first, first + len(generated))
-        parts["target_hidden"].append(_teacher_forced(target_lm, ids, width)[span])
-        parts["drafter_hidden"].append(_teacher_forced(drafter_lm, ids, width)[span])
-        parts["prompt"].append(np.full(len(generated), i, np.int32))
-        parts["position"].append(np.arange(len(generated), dtype=np.int32))
-        parts["token"].append(np.asarray(generated, np.int32))
-    return FeatureSet(**{k: np.concatenate(v) for k, v in parts.items()})
+    return feature_set(
+        conts, teacher_forced_states(target_lm, conts), teacher_forced_states(drafter_lm, conts)
+    )
+
+
+class Projection(nnx.Module):
+    """Only the lm_head of a model (``project`` and ``config``): frees the trunk's memory."""
+
+    def __init__(self, model):
+        tied = model.lm_head is None
+        self.weight = nnx.Param(model.embedding[...] if tied else model.lm_head[...])
+        self.spec = "...E,VE->...V" if tied else "...E,EV->...V"
+        self.config = model.config
+
+    def project(self, hidden: jax.Array) -> jax.Array:
+        w = self.weight[...]
+        return jnp.einsum(self.spec, hidden.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -48,6 +48,14 @@ def test_headed_drafter_starts_as_the_base_and_runs_in_forward(pair):
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
+def test_projection_matches_the_model(pair):
+    for lm in pair:
+        hidden = jnp.asarray(np.random.default_rng(0).normal(size=(3, lm.config.hidden_size)))
+        np.testing.assert_allclose(
+            training.Projection(lm.model).project(hidden), lm.model.project(hidden), rtol=1e-6
+        )
+
+
 def test_features_are_consistent_with_the_target_continuation(pair, features):
     target, _ = pair
     assert len(features) > 0
