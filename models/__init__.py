@@ -20,7 +20,7 @@ from models.cache import KVCache
 from models.config import ModelConfig
 from models.gguf import load_gguf
 from models.hf import load_hf
-from models.transformer import Transformer, forward
+from models.transformer import Transformer, forward, truncate
 
 __all__ = [
     "KVCache",
@@ -31,4 +31,5 @@ __all__ = [
     "load",
     "load_gguf",
     "load_hf",
+    "truncate",
 ]

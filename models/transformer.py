@@ -15,6 +15,8 @@ Layout choices, measured with XLA on a 2-core CPU (Qwen2.5-0.5B sizes):
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -326,3 +328,27 @@ def forward(
     Compiles once per shape of `tokens`/`cache` and per option set.
     """
     return nnx.merge(graphdef, state)(tokens, cache, **kwargs)
+
+
+def truncate(model: Transformer, num_layers: int) -> Transformer:
+    """The first `num_layers` blocks of `model`, then its final norm and lm_head (early exit).
+
+    The new model shares every array with `model` (nothing is copied). It is the trunk of a
+    self-speculative drafter: a cheap early exit of the target itself.
+
+    Raises:
+      ValueError: `num_layers` is not in `[1, model.config.num_layers]`.
+    """
+    total = model.config.num_layers
+    if not 1 <= num_layers <= total:
+        raise ValueError(f"num_layers must be in [1, {total}], got {num_layers}.")
+    config = dataclasses.replace(model.config, num_layers=num_layers)
+    param_dtype = model.embedding[...].dtype
+    abstract = nnx.eval_shape(
+        lambda: Transformer(config, rngs=nnx.Rngs(0), dtype=model.dtype, param_dtype=param_dtype)
+    )
+    graphdef, state = nnx.split(abstract)
+    pure = nnx.to_pure_dict(nnx.state(model))
+    pure["layers"] = {i: pure["layers"][i] for i in range(num_layers)}
+    nnx.replace_by_pure_dict(state, pure)
+    return nnx.merge(graphdef, state)

@@ -9,7 +9,7 @@ import pytest
 import tiny_models
 from flax import nnx
 
-from models import KVCache, ModelConfig, Transformer, forward
+from models import KVCache, ModelConfig, Transformer, forward, truncate
 from models.transformer import apply_rope, rope_angles
 
 CONFIG = ModelConfig(
@@ -111,3 +111,24 @@ def test_config_validation():
         dataclasses.replace(CONFIG, architecture="gemma")
     with pytest.raises(ValueError, match="head_dim"):
         dataclasses.replace(CONFIG, head_dim=0)
+
+
+def test_truncate_is_an_early_exit_sharing_weights():
+    model = tiny_models.random_model(CONFIG, seed=3)
+    tokens = np.array([[1, 5, 9, 2]])
+    np.testing.assert_array_equal(_logits(truncate(model, 2), tokens), _logits(model, tokens))
+    short = truncate(model, 1)
+    assert short.config.num_layers == 1 and len(short.layers) == 1
+    assert short.layers[0].mlp.up_proj[...] is model.layers[0].mlp.up_proj[...]
+    # One block, then the final norm and the lm_head: compute it by hand.
+    cache = KVCache.create(model.config, 1, 16)
+    x = jnp.take(model.embedding[...], jnp.asarray(tokens), axis=0)
+    positions = jnp.arange(4)[None]
+    cos, sin = rope_angles(positions, CONFIG.head_dim, CONFIG.rope_theta)
+    mask = jnp.tril(jnp.ones((4, 16), bool), 0)[None]
+    x, _, _ = model.layers[0](x, cos, sin, cache.keys[0], cache.values[0], cache.length, mask)
+    want = model.project(model.norm(x))
+    np.testing.assert_allclose(_logits(short, tokens), want, rtol=1e-5, atol=1e-5)
+    for bad in (0, 3):
+        with pytest.raises(ValueError, match="num_layers"):
+            truncate(model, bad)
