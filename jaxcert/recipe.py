@@ -8,6 +8,7 @@ Compares, at equal steps and seed, a :class:`jaxcert.training.DraftHead` trained
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import pathlib
@@ -28,14 +29,19 @@ def add_parser(sub) -> None:
         "(c) KL + tree:4 violation; held-out KL, certified fraction, agreement and "
         "acceptance length.",
     )
-    p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
-    p.add_argument("--drafter", default="qwen2.5-coder-0.5b-instruct")
+    p.add_argument("--target", default="qwen2.5-coder-0.5b-instruct")
+    p.add_argument("--exit-layer", type=int, default=6,
+                   help="self-speculative drafter: the target's first N layers + the head "
+                   "(default 6); ignored with --drafter")  # fmt: skip
+    p.add_argument("--drafter", default=None,
+                   help="a separate drafter model instead (asset, folder or .gguf); the head "
+                   "then sits on its final hidden states")  # fmt: skip
     p.add_argument("--prompts", default="mtbench")
-    p.add_argument("--max-prompts", type=int, default=48)
+    p.add_argument("--max-prompts", type=int, default=80)
     p.add_argument("--heldout", type=float, default=0.25,
                    help="fraction of prompts held out for evaluation (default 0.25)")  # fmt: skip
-    p.add_argument("--continuation", type=int, default=96,
-                   help="greedy tokens of the target per prompt (default 96)")  # fmt: skip
+    p.add_argument("--continuation", type=int, default=128,
+                   help="greedy tokens of the target per prompt (default 128)")  # fmt: skip
     p.add_argument("--train-steps", type=int, default=150)
     p.add_argument("--batch-size", type=int, default=64, help="positions per optimiser step")
     p.add_argument("--learning-rate", type=float, default=1e-3)
@@ -113,9 +119,14 @@ def run(args) -> int:
         bar.close()
         target_hidden = training.teacher_forced_states(target, conts)
     target_head = training.Projection(target.model)
-    del target
-    gc.collect()
-    drafter = models.load(args.drafter, dtype=jnp.float32)
+    if args.drafter is None:  # early exit of the target itself (weights shared)
+        trunk = models.truncate(target.model, args.exit_layer)
+        drafter = dataclasses.replace(target, model=trunk, config=trunk.config)
+        del target
+    else:
+        del target
+        gc.collect()
+        drafter = models.load(args.drafter, dtype=jnp.float32)
     training.check_vocabularies(target_config, drafter.config)
     if saved is not None:
         features = saved

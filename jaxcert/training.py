@@ -324,8 +324,9 @@ def train_head(
       train_target_logits: ``[N, V]`` target logits of ``train`` (:func:`target_logits`).
       drafter_model: the drafter ``models.Transformer`` (or compatible; its ``project``
         maps hidden states to logits); it stays frozen.
-      steps, batch_size, learning_rate, width, seed: optimisation settings; the same seed
-        gives the same initial head and the same batches for every objective.
+      steps, batch_size, learning_rate, width, seed: optimisation settings (Adam, linear
+        warm-up over the first 10% of steps to ``learning_rate``, then cosine decay); the
+        same seed gives the same initial head and the same batches for every objective.
 
     Returns:
       ``(head, history)``; ``history`` has one dict per step (loss, kl, violation, seconds).
@@ -340,7 +341,10 @@ def train_head(
             f"{(len(train), vocab)} (positions, drafter vocabulary)"
         )
     head = DraftHead(train.drafter_hidden.shape[-1], width, rngs=nnx.Rngs(seed))
-    optimizer = nnx.Optimizer(head, optax.adam(learning_rate), wrt=nnx.Param)
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, learning_rate, warmup_steps=max(1, steps // 10), decay_steps=max(steps, 2)
+    )
+    optimizer = nnx.Optimizer(head, optax.adam(schedule), wrt=nnx.Param)
     d_graph, d_state = nnx.split(drafter_model)
 
     @nnx.jit(static_argnums=2)

@@ -123,6 +123,11 @@ def test_cli_train_drafter_end_to_end(tmp_path):
     assert [r["drafter"].split()[0] for r in results] == ["untrained", "(a)", "(b)", "(c)"]
     assert (out / "training_curves.png").stat().st_size > 1000
     assert (out / "features.npz").is_file()
+    early = cli.main(["train-drafter", "--target", str(target), "--exit-layer", "1",
+                      "--prompts", str(path), "--continuation", "5", "--train-steps", "4",
+                      "--width", "8", "--out", str(tmp_path / "early")])  # fmt: skip
+    assert early == 0
+    assert (tmp_path / "early" / "results.md").read_text().count("\n") == 6
     again = ["--features", str(out / "features.npz"), "--out", str(tmp_path / "again")]
     rc = cli.main(["train-drafter", "--target", str(target), "--drafter", str(drafter),
                    "--prompts", str(path), "--train-steps", "3", "--width", "16",

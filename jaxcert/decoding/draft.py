@@ -180,7 +180,10 @@ def draft(
         }
     feats = policies_lib.drafter_features(q_root)
     one = jnp.ones((b,), jnp.int32)
-    cont = policies_lib.should_continue(policy, policy_state, feats, one) & (1 < limit)
+    cont, survival = policies_lib.should_continue(
+        policy, policy_state, feats, one, jnp.ones((b,), jnp.float32)
+    )
+    cont = cont & (1 < limit)
     frontier = (tok, jnp.arange(m, dtype=jnp.int32)[None].repeat(b, 0), valid, logq)
     seg_start = jnp.repeat(length, m)
 
@@ -189,7 +192,7 @@ def draft(
         return (depth < max_depth) & jnp.any(cont)
 
     def body(carry):
-        depth, cont, frontier, parent_slot, nodes, q_buf, cache, key = carry
+        depth, cont, survival, frontier, parent_slot, nodes, q_buf, cache, key = carry
         f_tok, f_node, f_valid, f_cum = frontier
         if dynamic:
             src = (jnp.arange(b)[:, None] * m + parent_slot).reshape(-1)
@@ -238,13 +241,15 @@ def draft(
         # The policy reads the distribution of the most probable branch.
         best = jnp.argmax(jnp.where(f_valid, f_cum, -jnp.inf), axis=-1)
         feats = policies_lib.drafter_features(q[jnp.arange(b), best])
-        more = policies_lib.should_continue(policy, policy_state, feats, one * (depth + 1))
+        more, survival = policies_lib.should_continue(
+            policy, policy_state, feats, one * (depth + 1), survival
+        )
         cont = cont & more & (depth + 1 < limit)
-        return depth + 1, cont, new_frontier, parent_slot, nodes, q_buf, cache, key
+        return depth + 1, cont, survival, new_frontier, parent_slot, nodes, q_buf, cache, key
 
     parent_slot = jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32), (b, m))
-    init = (jnp.asarray(1, jnp.int32), cont, frontier, parent_slot, nodes, q_buf, cache, key)
-    _, _, _, _, nodes, q_buf, cache, _ = lax.while_loop(cond, body, init)
+    init = (jnp.asarray(1, jnp.int32), cont, survival, frontier, parent_slot, nodes, q_buf, cache)
+    _, _, _, _, _, nodes, q_buf, cache, _ = lax.while_loop(cond, body, init + (key,))
     if dynamic:
         return _select_dynamic(nodes, q_buf, shape.nodes), cache
     st = tree_lib.static_structure(m, max_depth)

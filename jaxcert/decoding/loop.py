@@ -361,16 +361,8 @@ def _commit(
     else:
         start = state.length  # re-read the accepted path and the target's token
     start = jnp.where(active, start, state.drafter_start)
-    verified = ns.reached & (ns.rank == 0) & active[:, None]
-    log_kl = jnp.where(verified, jnp.log(jnp.maximum(ns.kl, 1e-12)), 0.0)
     policy_state = policies_lib.update_policy_state(
-        policy,
-        state.policy,
-        drafted=depth,
-        accepted=accepted,
-        log_kl_sum=jnp.sum(log_kl, axis=-1),
-        kl_count=jnp.sum(verified, axis=-1).astype(jnp.float32),
-        active=active,
+        policy, state.policy, drafted=depth, accepted=accepted, active=active
     )
     new_state = state.replace(
         tokens=tokens,

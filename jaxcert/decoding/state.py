@@ -66,13 +66,9 @@ class PolicyState:
 
     Attributes:
       k: ``[B]`` int32 current draft length of the ``heuristic`` schedule.
-      kl_ema: ``[B]`` float32 running mean of ``log KL(p||q)`` at verified drafted positions.
-      kl_count: ``[B]`` float32 number of positions seen by ``kl_ema`` (for its warm-up).
     """
 
     k: jax.Array  # [B]
-    kl_ema: jax.Array  # [B]
-    kl_count: jax.Array  # [B]
 
 
 @struct.dataclass
