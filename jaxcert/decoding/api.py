@@ -20,9 +20,21 @@ from jaxcert.decoding import loop
 from jaxcert.decoding import policies as policies_lib
 from jaxcert.decoding.state import RoundStats
 
-__all__ = ["DecodeOutput", "speculative_decode", "target_decode", "check_pair", "split_model"]
+__all__ = [
+    "COMPILER_OPTIONS",
+    "DecodeOutput",
+    "check_pair",
+    "speculative_decode",
+    "split_model",
+    "target_decode",
+]
 
 _COMPILED: dict = {}
+
+#: XLA options for every decoder this module compiles, e.g.
+#: ``{"xla_backend_optimization_level": 0}`` trades run time for compile time (the tests do
+#: this: their tiny models compile for much longer than they run). Part of the cache key.
+COMPILER_OPTIONS: dict = {}
 
 
 @dataclasses.dataclass
@@ -102,9 +114,12 @@ def _compile(fn, args: tuple, static: dict):
     """
     leaves, treedef = jax.tree.flatten(args)
     avals = tuple((tuple(x.shape), str(x.dtype)) for x in leaves)
+    options = tuple(sorted(COMPILER_OPTIONS.items()))
     signature = (fn, tuple(sorted(static.items(), key=lambda kv: kv[0])), str(treedef), avals)
+    signature += (options,)
     if signature not in _COMPILED:
-        _COMPILED[signature] = fn.lower(*args, **static).compile()
+        lowered = fn.lower(*args, **static)
+        _COMPILED[signature] = lowered.compile(compiler_options=dict(options) or None)
     return _COMPILED[signature]
 
 

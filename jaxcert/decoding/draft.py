@@ -25,17 +25,7 @@ from jaxcert.decoding.state import DraftTree, PolicyState
 from jaxcert.decoding.verify import sampling_log_probs
 from models.cache import KVCache
 
-__all__ = ["draft", "lm_head"]
-
-
-def lm_head(graphdef: nnx.GraphDef, params: nnx.State, hidden: jax.Array) -> jax.Array:
-    """Logits ``[..., V]`` float32 of final-norm hidden states ``[..., E]`` (as ``forward``)."""
-    model = nnx.merge(graphdef, params)
-    if model.lm_head is None:
-        w, spec = model.embedding[...], "...E,VE->...V"
-    else:
-        w, spec = model.lm_head[...], "...E,EV->...V"
-    return jnp.einsum(spec, hidden.astype(w.dtype), w, preferred_element_type=jnp.float32)
+__all__ = ["draft"]
 
 
 def _forward(graphdef, params, tokens, cache):
@@ -71,10 +61,10 @@ def _reread(graphdef, params, cache, tokens, start, length, width, m):
     """Step 0: rolls back to ``start``, reads ``s[start:length)``; root logits ``[B, V]``.
 
     When every row has one token to read (the usual case after a rejection) the pass is one
-    token wide instead of ``width``.
+    token wide instead of ``width``. Only the last real position goes through the lm-head
+    (the model's ``features`` and ``project``, as ``models.Transformer`` has them).
     """
-    import models
-
+    model = nnx.merge(graphdef, params)
     count = length - start
     if m > 1:
         cache = jax.tree.map(lambda x: x[::m], cache)
@@ -83,7 +73,7 @@ def _reread(graphdef, params, cache, tokens, start, length, width, m):
     def read(w):
         def run(cache):
             window = jax.vmap(lambda row, s: lax.dynamic_slice_in_dim(row, s, w))(tokens, start)
-            _, cache, hidden = models.forward(graphdef, params, window, cache, return_hidden=True)
+            hidden, cache = model.features(window, cache)
             return jnp.take_along_axis(hidden, (count - 1)[:, None, None], axis=1)[:, 0], cache
 
         return run
@@ -93,7 +83,7 @@ def _reread(graphdef, params, cache, tokens, start, length, width, m):
     else:
         last, cache = read(1)(cache)
     cache = cache.commit(count)
-    return lm_head(graphdef, params, last), (_repeat(cache, m) if m > 1 else cache)
+    return model.project(last), (_repeat(cache, m) if m > 1 else cache)
 
 
 def _first_children(key, q_root, m, sampling, temperature, top_p):
@@ -118,6 +108,64 @@ def _next_token(key, q, sampling, temperature, top_p):
         tok = jnp.argmax(q, axis=-1)
     tok = tok.astype(jnp.int32)
     return tok, jnp.take_along_axis(logq, tok[..., None], axis=-1)[..., 0]
+
+
+def _init_nodes(q_root, tok, logq, valid, m, max_depth, dynamic):
+    """Node buffers holding the root's children, and the ``[B, E, V]`` drafter-logit buffer."""
+    b, v = q_root.shape
+    q_buf = jnp.zeros((b, 1 + (max_depth - 1) * m, v), jnp.float32).at[:, 0].set(q_root)
+    pool = m + (max_depth - 1) * m * m if dynamic else m * max_depth
+    nodes = {
+        "tokens": jnp.zeros((b, pool), jnp.int32).at[:, :m].set(tok),
+        "valid": jnp.zeros((b, pool), bool).at[:, :m].set(valid),
+        "cum": jnp.full((b, pool), -jnp.inf, jnp.float32).at[:, :m].set(logq),
+    }
+    if dynamic:
+        nodes |= {
+            "parent": jnp.full((b, pool), -1, jnp.int32),
+            "depth": jnp.ones((b, pool), jnp.int32),
+            "rank": jnp.zeros((b, pool), jnp.int32).at[:, :m].set(jnp.arange(m, dtype=jnp.int32)),
+            "q_index": jnp.zeros((b, pool), jnp.int32),
+        }
+    return q_buf, nodes
+
+
+def _grow_static(key, q, frontier, go, nodes, depth, sampling, temperature, top_p):
+    """Chain / static tree: every frontier node gets one child (its top token, or a draw)."""
+    _, f_node, _, f_cum = frontier
+    m = q.shape[1]
+    c_tok, c_logq = _next_token(key, q, sampling, temperature, top_p)
+    new = {"tokens": c_tok, "valid": go, "cum": f_cum + c_logq}
+    nodes = {k: lax.dynamic_update_slice_in_dim(nodes[k], new[k], depth * m, axis=1) for k in new}
+    return nodes, (c_tok, f_node + m, go, new["cum"])
+
+
+def _grow_dynamic(q, frontier, go, nodes, depth):
+    """EAGLE-2: every frontier node gets its top-``m`` children; the best ``m`` form the frontier.
+
+    Returns the nodes, the new frontier and each new frontier slot's parent slot.
+    """
+    _, f_node, _, f_cum = frontier
+    b, m, _ = q.shape
+    c_logq, c_tok = lax.top_k(jax.nn.log_softmax(q, axis=-1), m)  # [B, M, M]
+    c_cum = f_cum[..., None] + c_logq
+    c_valid = jnp.broadcast_to(go[..., None], c_cum.shape)
+    at = m + (depth - 1) * m * m
+    flat = lambda x: jnp.broadcast_to(x, c_cum.shape).reshape(b, m * m)  # noqa: E731
+    updates = {
+        "tokens": flat(c_tok.astype(jnp.int32)),
+        "valid": flat(c_valid),
+        "cum": flat(jnp.where(c_valid, c_cum, -jnp.inf)),
+        "parent": flat(f_node[..., None]),
+        "depth": jnp.full((b, m * m), depth + 1, jnp.int32),
+        "rank": flat(jnp.arange(m, dtype=jnp.int32)),
+        "q_index": flat(1 + (depth - 1) * m + jnp.arange(m, dtype=jnp.int32)[:, None]),
+    }
+    nodes = {k: lax.dynamic_update_slice_in_dim(nodes[k], updates[k], at, axis=1) for k in nodes}
+    _, pick = lax.top_k(updates["cum"], m)  # [B, M]
+    take = lambda x: jnp.take_along_axis(x, pick, axis=1)  # noqa: E731
+    frontier = (take(updates["tokens"]), at + pick, take(updates["valid"]), take(updates["cum"]))
+    return nodes, frontier, (pick // m).astype(jnp.int32)
 
 
 def draft(
@@ -158,33 +206,17 @@ def draft(
     m = 1 if isinstance(shape, tree_lib.Chain) else shape.m
     dynamic = isinstance(shape, tree_lib.DynamicTree)
     b = tokens.shape[0]
+    rows = jnp.arange(b)
     q_root, cache = _reread(graphdef, params, cache, tokens, start, length, width, m)
-    v = q_root.shape[-1]
     key, sub = jax.random.split(key)
     tok, logq, valid = _first_children(sub, q_root, m, sampling, temperature, top_p)
-    expanded = 1 + (max_depth - 1) * m
-    q_buf = jnp.zeros((b, expanded, v), jnp.float32).at[:, 0].set(q_root)
-    pool = m + (max_depth - 1) * m * m if dynamic else m * max_depth
-    nodes = {
-        "tokens": jnp.zeros((b, pool), jnp.int32).at[:, :m].set(tok),
-        "valid": jnp.zeros((b, pool), bool).at[:, :m].set(valid),
-        "cum": jnp.full((b, pool), -jnp.inf, jnp.float32).at[:, :m].set(logq),
-    }
-    if dynamic:
-        ar = jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32), (b, m))
-        nodes |= {
-            "parent": jnp.full((b, pool), -1, jnp.int32),
-            "depth": jnp.ones((b, pool), jnp.int32),
-            "rank": jnp.zeros((b, pool), jnp.int32).at[:, :m].set(ar),
-            "q_index": jnp.zeros((b, pool), jnp.int32),
-        }
-    feats = policies_lib.drafter_features(q_root)
+    q_buf, nodes = _init_nodes(q_root, tok, logq, valid, m, max_depth, dynamic)
     one = jnp.ones((b,), jnp.int32)
+    feats = policies_lib.drafter_features(q_root)
     cont, survival = policies_lib.should_continue(
         policy, policy_state, feats, one, jnp.ones((b,), jnp.float32)
     )
-    cont = cont & (1 < limit)
-    frontier = (tok, jnp.arange(m, dtype=jnp.int32)[None].repeat(b, 0), valid, logq)
+    frontier = (tok, jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32), (b, m)), valid, logq)
     seg_start = jnp.repeat(length, m)
 
     def cond(carry):
@@ -193,63 +225,34 @@ def draft(
 
     def body(carry):
         depth, cont, survival, frontier, parent_slot, nodes, q_buf, cache, key = carry
-        f_tok, f_node, f_valid, f_cum = frontier
-        if dynamic:
-            src = (jnp.arange(b)[:, None] * m + parent_slot).reshape(-1)
+        if dynamic:  # each frontier slot's row takes its parent's ancestors
+            src = (rows[:, None] * m + parent_slot).reshape(-1)
             cache = _copy_segments(cache, src, seg_start, max_depth)
-        logits, cache = _forward(graphdef, params, f_tok.reshape(b * m, 1), cache)
+        logits, cache = _forward(graphdef, params, frontier[0].reshape(b * m, 1), cache)
         cache = cache.commit(1)
-        q = logits[:, 0].reshape(b, m, v)
+        q = logits[:, 0].reshape(b, m, -1)
         q_buf = lax.dynamic_update_slice_in_dim(q_buf, q, 1 + (depth - 1) * m, axis=1)
         key, sub = jax.random.split(key)
-        go = cont[:, None] & f_valid
-        if dynamic:
-            logq = jax.nn.log_softmax(q, axis=-1)
-            c_logq, c_tok = lax.top_k(logq, m)  # [B, M, M]
-            c_cum = f_cum[..., None] + c_logq
-            c_valid = jnp.broadcast_to(go[..., None], c_cum.shape)
-            at = m + (depth - 1) * m * m
-            flat = lambda x: x.reshape(b, m * m)  # noqa: E731
-            updates = {
-                "tokens": flat(c_tok.astype(jnp.int32)),
-                "valid": flat(c_valid),
-                "cum": flat(jnp.where(c_valid, c_cum, -jnp.inf)),
-                "parent": flat(jnp.broadcast_to(f_node[..., None], c_cum.shape)),
-                "depth": jnp.full((b, m * m), depth + 1, jnp.int32),
-                "rank": flat(jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32), c_cum.shape)),
-                "q_index": flat(
-                    jnp.broadcast_to(1 + (depth - 1) * m + jnp.arange(m)[:, None], c_cum.shape)
-                ).astype(jnp.int32),
-            }
-            nodes = {
-                k: lax.dynamic_update_slice_in_dim(nodes[k], updates[k], at, axis=1) for k in nodes
-            }
-            score = flat(jnp.where(c_valid, c_cum, -jnp.inf))
-            _, pick = lax.top_k(score, m)  # [B, M]
-            take = lambda x: jnp.take_along_axis(flat(x), pick, axis=1)  # noqa: E731
-            new_frontier = (take(c_tok).astype(jnp.int32), at + pick, take(c_valid), take(c_cum))
-            parent_slot = (pick // m).astype(jnp.int32)
-        else:
-            c_tok, c_logq = _next_token(sub, q, sampling, temperature, top_p)
-            at = depth * m
-            nodes = {
-                "tokens": lax.dynamic_update_slice_in_dim(nodes["tokens"], c_tok, at, axis=1),
-                "valid": lax.dynamic_update_slice_in_dim(nodes["valid"], go, at, axis=1),
-                "cum": lax.dynamic_update_slice_in_dim(nodes["cum"], f_cum + c_logq, at, axis=1),
-            }
-            new_frontier = (c_tok, f_node + m, go, f_cum + c_logq)
+        go = cont[:, None] & frontier[2]
         # The policy reads the distribution of the most probable branch.
-        best = jnp.argmax(jnp.where(f_valid, f_cum, -jnp.inf), axis=-1)
-        feats = policies_lib.drafter_features(q[jnp.arange(b), best])
+        best = jnp.argmax(jnp.where(frontier[2], frontier[3], -jnp.inf), axis=-1)
+        if dynamic:
+            nodes, frontier, parent_slot = _grow_dynamic(q, frontier, go, nodes, depth)
+        else:
+            nodes, frontier = _grow_static(
+                sub, q, frontier, go, nodes, depth, sampling, temperature, top_p
+            )
+        feats = policies_lib.drafter_features(q[rows, best])
         more, survival = policies_lib.should_continue(
             policy, policy_state, feats, one * (depth + 1), survival
         )
         cont = cont & more & (depth + 1 < limit)
-        return depth + 1, cont, survival, new_frontier, parent_slot, nodes, q_buf, cache, key
+        return depth + 1, cont, survival, frontier, parent_slot, nodes, q_buf, cache, key
 
     parent_slot = jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32), (b, m))
-    init = (jnp.asarray(1, jnp.int32), cont, survival, frontier, parent_slot, nodes, q_buf, cache)
-    _, _, _, _, _, nodes, q_buf, cache, _ = lax.while_loop(cond, body, init + (key,))
+    depth = jnp.asarray(1, jnp.int32)
+    init = (depth, cont & (1 < limit), survival, frontier, parent_slot, nodes, q_buf, cache, key)
+    _, _, _, _, _, nodes, q_buf, cache, _ = lax.while_loop(cond, body, init)
     if dynamic:
         return _select_dynamic(nodes, q_buf, shape.nodes), cache
     st = tree_lib.static_structure(m, max_depth)

@@ -19,7 +19,7 @@ Policies (``K`` drafted tokens so far, ``q`` the drafter distribution that produ
 * ``cert:LAMBDA``: certificate-aware (this package), see :class:`Certified`: estimate each
   drafted token's acceptance from the drafter's own exact strict-greedy certificate ``C_q``
   as ``(C_q / log 2) ** beta`` and stop when the product over the round's tokens (the chance
-  that the whole draft is accepted) falls below ``LAMBDA``.
+  that the whole draft is accepted) falls below ``LAMBDA`` (default 0.55, ``beta`` 0.3).
 
 Every dynamic policy also stops at ``k_max`` (default 40), and the decoder stops a row's draft
 where its token budget ends.
@@ -178,8 +178,8 @@ class Certified:
       k_max: cap on the draft length.
     """
 
-    lam: float = 0.6
-    beta: float = 0.25
+    lam: float = 0.55
+    beta: float = 0.3
     k_max: int = DEFAULT_K_MAX
 
     def __post_init__(self):
@@ -189,7 +189,7 @@ class Certified:
 
     @property
     def spec(self) -> str:
-        return f"cert:{self.lam:g}" if self.beta == 0.25 else f"cert:{self.lam:g}:{self.beta:g}"
+        return f"cert:{self.lam:g}" if self.beta == 0.3 else f"cert:{self.lam:g}:{self.beta:g}"
 
 
 Policy = Constant | Heuristic | Confidence | SVIP | Certified

@@ -87,7 +87,9 @@ def summarize(stats: RoundStats | None, num_tokens: int, decode_s: float) -> dic
         "mean_accepted": round(float(stats.accepted[a].mean()), 3),
         "tokens_per_round": round(float(stats.emitted[a].mean()), 3),
         "acceptance_rate": round(float(stats.accepted[a].sum() / max(stats.depth[a].sum(), 1)), 4),
-        "acceptance_by_depth": [round(x, 4) for x in acceptance_by_depth(stats)],
+        "acceptance_by_depth": [  # None where no round drafted that deep (JSON has no NaN)
+            None if np.isnan(x) else round(x, 4) for x in acceptance_by_depth(stats)
+        ],
         "mean_kl": round(float(np.mean(ns.kl[first])), 4) if first.any() else float("nan"),
         "mean_drafter_entropy": round(float(np.mean(ns.entropy[first])), 4)
         if first.any()

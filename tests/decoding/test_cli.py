@@ -1,0 +1,76 @@
+"""`jaxcert decode` end to end on tiny GGUF files written by the test."""
+
+import json
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+from flax import nnx
+from tiny_decoding import CONFIG, random_model
+
+from jaxcert import cli
+from models._weights import hf_layout
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "models"))
+import tiny_models  # noqa: E402
+
+
+def _write_gguf(model, path):
+    """The model's weights under Hugging Face names, written as an f32 GGUF."""
+    pure = nnx.to_pure_dict(nnx.split(model)[1])
+    tensors = {}
+    for name, (state_path, _) in hf_layout(model.config).items():
+        value = pure
+        for key in state_path:
+            value = value[key]
+        value = np.asarray(value)
+        tensors[name] = value if state_path == ("embedding",) or value.ndim != 2 else value.T
+    return tiny_models.write_gguf(path, model.config, tensors)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory, target, drafters):
+    root = tmp_path_factory.mktemp("cli")
+    prompts = root / "prompts.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "the cat sat"}\n{"id": "b", "prompt": "an otter"}\n')
+    small = CONFIG.__class__(**{**CONFIG.__dict__, "vocab_size": 44})
+    return {
+        "target": _write_gguf(target, root / "target.gguf"),
+        "drafter": _write_gguf(drafters["similar"], root / "drafter.gguf"),
+        "small": _write_gguf(random_model(small, seed=5), root / "small.gguf"),
+        "prompts": prompts,
+        "root": root,
+    }
+
+
+def test_decode_writes_statistics_and_matches_target(files, monkeypatch, capsys):
+    monkeypatch.setenv("JAXCERT_CACHE", str(files["root"] / "cache"))
+    out = files["root"] / "out"
+    argv = ["decode", "--target", str(files["target"]), "--drafter", str(files["drafter"]),
+            "--prompts", str(files["prompts"]), "--policy", "svip:0.3/4", "--verify", "greedy",
+            "--max-new-tokens", "8", "--batch-size", "2", "--out", str(out)]  # fmt: skip
+    assert cli.main(argv) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["identical_outputs"] == "2/2"
+    assert summary["speculative"]["rounds"] >= 1 and summary["speedup"] > 0
+    for name in ("rounds.parquet", "nodes.parquet", "outputs.jsonl"):
+        assert (out / name).is_file()
+    import pyarrow.parquet as pq
+
+    nodes = pq.read_table(out / "nodes.parquet")
+    assert {"kl", "cert", "certified", "entropy", "passes"} <= set(nodes.column_names)
+    assert "tokens/s" in capsys.readouterr().out
+
+
+def test_decode_rejects_mismatched_vocabularies(files, monkeypatch, capsys):
+    monkeypatch.setenv("JAXCERT_CACHE", str(files["root"] / "cache"))
+    argv = ["decode", "--target", str(files["target"]), "--drafter", str(files["small"]),
+            "--prompts", str(files["prompts"]), "--out", str(files["root"] / "bad")]  # fmt: skip
+    assert cli.main(argv) == 2
+    assert "target has 48 logit rows, the drafter 44" in capsys.readouterr().err
+
+
+def test_decode_rejects_temperature_with_greedy(capsys):
+    assert cli.main(["decode", "--temperature", "1", "--verify", "greedy"]) == 2
+    assert "needs temperature > 0" in capsys.readouterr().err

@@ -1,0 +1,119 @@
+"""Strict greedy speculative decoding reproduces target-only greedy decoding token for token."""
+
+import numpy as np
+import pytest
+from tiny_decoding import MAX_NEW, PROMPTS, WIDTH
+
+from jaxcert import decoding
+
+POLICIES = ["constant:3", "heuristic", "confidence:0.4", "svip:0.3", "cert:1"]
+SHAPES = {
+    # Three verification widths: also exercises the bucketed verification pass.
+    "chain": dict(verify="greedy", max_draft=6, buckets=(2, 4, 6)),
+    "static_tree": dict(verify="tree:2x3", buckets=(6,)),
+    "dynamic_tree": dict(verify="dyntree:3x3x6", buckets=(6,)),
+}
+
+
+@pytest.mark.parametrize("drafter_name", ["similar", "unlike"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("policy", POLICIES)
+def test_greedy_output_is_target_greedy(
+    target, drafters, greedy_reference, run_cache, drafter_name, shape, policy
+):
+    out = run_cache(target, drafters[drafter_name], drafter_name, policy=policy, **SHAPES[shape])
+    for row, (got, want) in enumerate(zip(out.tokens, greedy_reference, strict=True)):
+        np.testing.assert_array_equal(got, want, err_msg=f"row {row}")
+    assert all(len(t) == MAX_NEW for t in out.tokens)
+
+
+def test_similar_drafter_accepts_and_unlike_rejects(target, drafters, run_cache):
+    similar = run_cache(target, drafters["similar"], "similar", **SHAPES["chain"])
+    unlike = run_cache(target, drafters["unlike"], "unlike", **SHAPES["chain"])
+    rate = lambda o: o.stats.accepted.sum() / o.stats.drafted.sum()  # noqa: E731
+    assert rate(similar) > 0.6 > rate(unlike)
+    # Rows finish in different rounds: per-row acceptance lengths differ.
+    assert len(set(similar.rounds.tolist()) | set(unlike.rounds.tolist())) > 1
+
+
+def test_end_token_stops_a_row(target, drafters, greedy_reference):
+    # A token that row `row` first emits at index `at >= 2`.
+    row, at = next(
+        (r, i)
+        for r, toks in enumerate(greedy_reference)
+        for i in range(2, MAX_NEW)
+        if toks[i] not in toks[:i]
+    )
+    eos = int(greedy_reference[row][at])
+    config = decoding.DecodeConfig(
+        verification=decoding.parse_verify("tree:2x3"),
+        max_new_tokens=MAX_NEW,
+        eos_ids=(eos,),
+        buckets=(6,),
+    )
+    out = decoding.speculative_decode(
+        target,
+        drafters["similar"],
+        PROMPTS,
+        policy=decoding.Constant(k=3),
+        config=config,
+        prompt_width=WIDTH,
+    )
+    base = decoding.target_decode(
+        target, PROMPTS, max_new_tokens=MAX_NEW, eos_ids=(eos,), prompt_width=WIDTH
+    )
+    for got, want in zip(out.tokens, base.tokens, strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert len(out.tokens[row]) == at + 1 and out.tokens[row][-1] == eos
+
+
+def test_batch_rows_match_rows_decoded_alone(target, drafters, run_cache):
+    """A row's output does not depend on the other rows (a batch of one prompt repeated)."""
+    batch = run_cache(target, drafters["unlike"], "unlike", **SHAPES["chain"])
+    for row, prompt in enumerate(PROMPTS):
+        alone = run_cache(
+            target, drafters["unlike"], "unlike", prompts=[prompt] * 3, **SHAPES["chain"]
+        )
+        for got in alone.tokens:
+            np.testing.assert_array_equal(got, batch.tokens[row])
+
+
+def test_vocabulary_mismatch_is_a_clear_error(target):
+    from tiny_decoding import CONFIG, random_model
+
+    small = random_model(CONFIG.__class__(**{**CONFIG.__dict__, "vocab_size": 40}), seed=3)
+    with pytest.raises(ValueError, match="target has 48 .* drafter 40"):
+        decoding.check_pair(target, small)
+
+
+def test_short_prompt_is_rejected(target, drafters):
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        decoding.speculative_decode(
+            target,
+            drafters["similar"],
+            [[3]],
+            policy=decoding.Constant(k=2),
+            config=decoding.DecodeConfig(max_new_tokens=4, max_draft=2),
+        )
+
+
+def test_drafter_with_a_trained_head(target, drafters, greedy_reference):
+    """Any module with the `models.Transformer` interface drafts, e.g. `training.HeadedDrafter`."""
+    import jax
+    from flax import nnx
+
+    from jaxcert.training import DraftHead, HeadedDrafter
+
+    head = DraftHead(target.config.hidden_size, 16, rngs=nnx.Rngs(0))
+    head.w_out[...] = 0.05 * jax.random.normal(jax.random.key(3), head.w_out[...].shape)
+    drafter = HeadedDrafter(drafters["similar"], head)
+    config = decoding.DecodeConfig(
+        verification=decoding.parse_verify("tree:2x3"), max_new_tokens=MAX_NEW, buckets=(6,)
+    )
+    out = decoding.speculative_decode(
+        target, drafter, PROMPTS, policy=decoding.parse_policy("cert"), config=config,
+        prompt_width=WIDTH,
+    )  # fmt: skip
+    for got, want in zip(out.tokens, greedy_reference, strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert out.stats.accepted.sum() > 0

@@ -1,0 +1,92 @@
+"""Speculative sampling outputs the target's distribution (chi-square over many rows)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+from tiny_decoding import CONFIG, random_model
+
+from jaxcert import decoding
+from jaxcert.decoding.verify import sampling_log_probs
+from models import KVCache, forward
+
+SMALL = CONFIG.__class__(**{**CONFIG.__dict__, "vocab_size": 8})
+PROMPT = [1, 2, 3]
+ROWS = 2000
+
+
+@pytest.fixture(scope="module")
+def small_pair():
+    target = random_model(SMALL, seed=11)
+    drafter = random_model(SMALL, seed=12, noise_of=target, scale=0.3)
+    return target, drafter
+
+
+def _exact_joint(target, temperature, top_p):
+    """P(x1, x2) of target-only sampling after PROMPT: ``[V, V]``."""
+    from flax import nnx
+
+    graph, params = nnx.split(target)
+    v = SMALL.vocab_size
+    seqs = jnp.asarray([PROMPT + [x] for x in range(v)], jnp.int32)
+    logits, _ = forward(graph, params, seqs, KVCache.create(SMALL, v, 8))
+    lp = sampling_log_probs(logits, temperature, top_p)
+    p1 = np.exp(np.asarray(lp[0, len(PROMPT) - 1], np.float64))
+    p2 = np.exp(np.asarray(lp[:, len(PROMPT)], np.float64))
+    return p1[:, None] * p2
+
+
+def _chi_square(observed, expected):
+    keep = expected >= 5
+    obs = np.append(observed[keep], observed[~keep].sum())
+    exp = np.append(expected[keep], expected[~keep].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    return stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+
+
+@pytest.mark.parametrize(
+    "verify, temperature, top_p",
+    [("sample", 1.0, 1.0), ("tree:2x2+sample", 0.7, 0.8)],
+)
+def test_sampling_matches_target_distribution(small_pair, verify, temperature, top_p):
+    target, drafter = small_pair
+    config = decoding.DecodeConfig(
+        verification=decoding.parse_verify(verify),
+        max_new_tokens=3,
+        max_draft=2,
+        temperature=temperature,
+        top_p=top_p,
+    )
+    out = decoding.speculative_decode(
+        target,
+        drafter,
+        [PROMPT] * ROWS,
+        policy=decoding.Constant(k=2),
+        config=config,
+        key=jax.random.key(42),
+    )
+    first_two = np.array([t[:2] for t in out.tokens])
+    observed = np.zeros((8, 8))
+    np.add.at(observed, (first_two[:, 0], first_two[:, 1]), 1)
+    expected = _exact_joint(target, temperature, top_p) * ROWS
+    assert observed[expected == 0].sum() == 0  # never outside the nucleus
+    assert _chi_square(observed.ravel(), expected.ravel()) > 1e-3
+    # Both paths of the rejection sampler were exercised.
+    accepted = out.stats.accepted[out.stats.active]
+    assert 0 < accepted.mean() < 2
+    ns = out.stats.nodes  # no certificate for sampling; KL is always measured
+    assert np.all(np.isnan(ns.cert)) and np.all(np.isfinite(ns.kl[ns.valid]))
+
+
+def test_target_only_sampling_matches_too(small_pair):
+    target, _ = small_pair
+    out = decoding.target_decode(
+        target, [PROMPT] * ROWS, max_new_tokens=2, temperature=1.0, key=jax.random.key(7)
+    )
+    first_two = np.array([t[:2] for t in out.tokens])
+    observed = np.zeros((8, 8))
+    np.add.at(observed, (first_two[:, 0], first_two[:, 1]), 1)
+    expected = _exact_joint(target, 1.0, 1.0) * ROWS
+    assert _chi_square(observed.ravel(), expected.ravel()) > 1e-3
