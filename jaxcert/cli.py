@@ -98,7 +98,8 @@ def _add_decode(sub) -> None:
                    help="'mtbench' or a JSONL file with a 'prompt' or 'turns' field")  # fmt: skip
     p.add_argument("--policy", default="svip:0.3",
                    help="draft-length policy: constant:K | heuristic | confidence[:TAU] | "
-                   "svip[:H] | cert[:KAPPA], optional /KMAX (default svip:0.3)")  # fmt: skip
+                   "svip[:H] | cert[:LAMBDA[:BETA]], optional /KMAX "
+                   "(default svip:0.3)")  # fmt: skip
     p.add_argument("--verify", default="greedy",
                    help="[SHAPE+]RULE: greedy | additive:T | multiplicative:A | topk:K | typical "
                    "| sample, SHAPE = tree:MxD | dyntree:MxDxN (default greedy)")  # fmt: skip

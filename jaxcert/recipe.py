@@ -27,7 +27,7 @@ def add_parser(sub) -> None:
         description="Teacher-forced features of target and drafter on real prompts, then a "
         "residual head on the drafter trained with (a) KL, (b) KL + strict-greedy violation, "
         "(c) KL + tree:4 violation; held-out KL, certified fraction, agreement and "
-        "acceptance length.",
+        "acceptance length (offline, and in the speculative decoder).",
     )
     p.add_argument("--target", default="qwen2.5-coder-0.5b-instruct")
     p.add_argument("--exit-layer", type=int, default=6,
@@ -49,7 +49,12 @@ def add_parser(sub) -> None:
     p.add_argument("--weight", type=float, default=1.0, help="lambda of the violation term")
     p.add_argument("--margin", type=float, default=0.0, help="nats of slack in the hinge")
     p.add_argument("--draft-length", type=int, default=5,
-                   help="K of the offline chain acceptance length (default 5)")  # fmt: skip
+                   help="K of the chain acceptance length, offline and in the decoder "
+                   "(default 5)")  # fmt: skip
+    p.add_argument("--decode-tokens", type=int, default=64,
+                   help="new tokens per held-out prompt in the speculative decoder "
+                   "(greedy chain, constant K) with each trained drafter; 0 skips it "
+                   "(default 64)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--features", type=pathlib.Path, default=None,
                    help="reuse features saved by an earlier run (features.npz)")  # fmt: skip
@@ -88,6 +93,32 @@ def _plot(histories: dict, path: pathlib.Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _decode_heldout(args, prompt_set, held, heads, results) -> None:
+    """Adds the speculative decoder's acceptance length of each drafter to ``results``."""
+    import jax.numpy as jnp
+
+    import models
+    from jaxcert import prompts, training
+
+    target = models.load(args.target, dtype=jnp.float32)
+    if args.drafter is None:
+        base = models.truncate(target.model, args.exit_layer)
+    else:
+        base = models.load(args.drafter, dtype=jnp.float32).model
+    encoded = prompts.encode_prompts(target.tokenizer, [prompt_set[i] for i in sorted(held)])
+    eos = sorted(set(target.config.eos_token_ids))
+    bar, update = _bar("decoder acceptance")
+    for i, (result, head) in enumerate(zip(results, heads, strict=True)):
+        drafter = base if head is None else training.HeadedDrafter(base, head)
+        measured = training.decoder_acceptance(
+            target, drafter, encoded, draft_length=args.draft_length,
+            max_new_tokens=args.decode_tokens, eos_ids=eos,
+        )  # fmt: skip
+        result.update({k: measured[k] for k in ("decoder_acceptance_length",)})
+        update(i + 1, len(heads))
+    bar.close()
 
 
 def run(args) -> int:
@@ -167,7 +198,7 @@ def run(args) -> int:
         ),  # fmt: skip
     )
     train_logits = training.target_logits(train, target_head)  # once, for every objective
-    histories = {}
+    histories, heads = {}, [None]
     for objective in objectives:
         bar, update = _bar(objective.name)
         head, history = training.train_head(
@@ -177,10 +208,13 @@ def run(args) -> int:
         )  # fmt: skip
         bar.close()
         histories[objective.name] = history
+        heads.append(head)
         result = training.evaluate(head, test, target_head, drafter_head, **kw)
         results.append({"drafter": objective.name, **result})
         print(f"[jaxcert] {objective.name}: {result}", file=sys.stderr)
     _plot(histories, out / "training_curves.png")
+    if args.decode_tokens > 0:
+        _decode_heldout(args, prompt_set, held, heads, results)
     table = report.markdown_table(results, digits=4)
     meta = {"command": " ".join(sys.argv), "args": vars(args), "results": results,
             "histories": histories, "seconds": round(time.perf_counter() - started, 1)}  # fmt: skip

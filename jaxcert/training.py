@@ -11,7 +11,8 @@ Recipe (``jaxcert train-drafter``, ``scripts/train_drafter.py``):
    (:func:`train_head`): KL(p||q) alone, or KL plus a certificate-violation term.
 3. :func:`evaluate` reports on held-out prompts the mean KL, the certified fraction
    (KL < C_p) per rule, greedy agreement, and the exact offline acceptance length of
-   greedy chain decoding with a constant draft length.
+   greedy chain decoding with a constant draft length; :func:`decoder_acceptance` runs
+   the speculative decoder of :mod:`jaxcert.decoding` with the trained drafter.
 
 Why a head on the drafter: it trains in minutes on 2 CPU cores (only ~2M parameters;
 the cost is the two full-vocabulary projections per position, which the certificate
@@ -53,6 +54,7 @@ __all__ = [
     "train_head",
     "evaluate",
     "chain_acceptance_length",
+    "decoder_acceptance",
 ]
 
 
@@ -458,3 +460,63 @@ def evaluate(
         out[f"top{m}_coverage"] = float(np.mean(np.any(top[:, :m] == data.token[:, None], 1)))
     out["acceptance_length"] = tokens / max(rounds, 1)
     return out
+
+
+def decoder_acceptance(
+    target,
+    drafter,
+    prompt_ids: Sequence[Sequence[int]],
+    *,
+    draft_length: int = 5,
+    max_new_tokens: int = 64,
+    eos_ids: Sequence[int] = (),
+    batch_size: int = 4,
+) -> dict:
+    """Acceptance of a drafter in the speculative decoder (greedy chain, constant ``K``).
+
+    Args:
+      target: the target (``models.LoadedModel`` or ``nnx.Module``).
+      drafter: the drafter, e.g. a :class:`HeadedDrafter` (same vocabulary).
+      prompt_ids: token ids of each prompt (chat template applied), each of length >= 2.
+      draft_length: ``K``, drafted tokens per round (``constant:K`` policy).
+      max_new_tokens: output tokens per prompt.
+      eos_ids: tokens that end a row.
+      batch_size: prompts decoded together (one compilation for all batches).
+
+    Returns:
+      ``decoder_acceptance_length``: mean tokens per round (accepted drafts plus the
+      target's token; the quantity the offline ``acceptance_length`` computes exactly),
+      ``decoder_accepted_per_round``, ``decoder_rounds`` and ``decoder_tokens``.
+
+    Raises:
+      ValueError: mismatched vocabularies or prompts shorter than 2 tokens.
+    """
+    from jaxcert import decoding
+
+    config = decoding.DecodeConfig(
+        verification=decoding.parse_verify("greedy"),
+        max_new_tokens=max_new_tokens,
+        max_draft=draft_length,
+        eos_ids=tuple(eos_ids),
+        collect_stats=False,
+    )
+    policy = decoding.Constant(k=draft_length)
+    width = 16 * -(-max(len(p) for p in prompt_ids) // 16)
+    tokens = rounds = accepted = 0
+    for start in range(0, len(prompt_ids), batch_size):
+        batch = [list(p) for p in prompt_ids[start : start + batch_size]]
+        batch += [batch[-1]] * (batch_size - len(batch))  # same shape for every batch
+        real = min(batch_size, len(prompt_ids) - start)
+        out = decoding.speculative_decode(
+            target, drafter, batch, policy=policy, config=config, prompt_width=width
+        )
+        active = np.asarray(out.stats.active)[:, :real]
+        tokens += int(np.asarray(out.stats.emitted)[:, :real][active].sum())
+        accepted += int(np.asarray(out.stats.accepted)[:, :real][active].sum())
+        rounds += int(active.sum())
+    return {
+        "decoder_acceptance_length": tokens / max(rounds, 1),
+        "decoder_accepted_per_round": accepted / max(rounds, 1),
+        "decoder_rounds": rounds,
+        "decoder_tokens": tokens,
+    }

@@ -95,6 +95,38 @@ def test_objectives_train_and_evaluate(pair, features):
         training.train_head(training.Objective("kl"), features, logits[:3], drafter.model)
 
 
+def test_decoder_acceptance_equals_the_offline_count(pair, features):
+    """The speculative decoder reproduces the exact offline tokens-per-round count."""
+    import dataclasses
+
+    target, drafter = pair
+    encoded = prompts.encode_prompts(
+        target.tokenizer, [prompts.Prompt(str(i), t) for i, t in enumerate(TEXTS)]
+    )
+    head = training.DraftHead(drafter.config.hidden_size, 16, rngs=nnx.Rngs(0))
+    head.w_out[...] = 0.3 * jnp.ones_like(head.w_out[...])
+    # The target drafting for itself through a perturbing head: partial agreement.
+    self_head = training.DraftHead(target.config.hidden_size, 16, rngs=nnx.Rngs(1))
+    self_head.w_out[...] = 0.5 * np.random.default_rng(0).normal(size=self_head.w_out[...].shape)
+    self_features = dataclasses.replace(features, drafter_hidden=features.target_hidden)
+    lengths = []
+    for data, base, h in (
+        (features, drafter.model, None),
+        (features, drafter.model, head),
+        (self_features, target.model, self_head),
+    ):
+        offline = training.evaluate(h, data, target.model, base, draft_length=3)
+        model = base if h is None else training.HeadedDrafter(base, h)
+        got = training.decoder_acceptance(
+            target, model, encoded, draft_length=3, max_new_tokens=12,
+            eos_ids=target.config.eos_token_ids, batch_size=3,
+        )  # fmt: skip
+        assert got["decoder_tokens"] == len(features)
+        assert got["decoder_acceptance_length"] == pytest.approx(offline["acceptance_length"])
+        lengths.append(got["decoder_acceptance_length"])
+    assert 1.5 < lengths[-1] < 4, lengths  # the comparison is not vacuous
+
+
 def test_vocabulary_mismatch_is_rejected(pair, tmp_path):
     target, _ = pair
     import dataclasses
