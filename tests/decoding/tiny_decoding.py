@@ -8,22 +8,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from tiny_models import tiny_config
 
 from models import ModelConfig
 from models.transformer import Transformer
 
-CONFIG = ModelConfig(
-    architecture="qwen2",
-    vocab_size=48,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    rope_theta=10_000.0,
-    qkv_bias=True,
-)
+CONFIG = tiny_config(vocab_size=48)
 PROMPTS = [[5, 17, 3, 44, 9], [1, 2, 3, 4, 5, 6, 7, 8, 9], [30, 12, 7]]
 WIDTH = 9  # every run pads prompts to this width, so equal batch sizes share compilations
 MAX_NEW = 20

@@ -7,20 +7,9 @@ import pytest
 import tiny_models
 from flax import nnx
 
-from models import KVCache, ModelConfig, forward
+from models import KVCache, forward
 
-CONFIG = ModelConfig(
-    architecture="qwen2",
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    rope_theta=10_000.0,
-    qkv_bias=True,
-)
+CONFIG = tiny_models.tiny_config()
 S = 24
 STEP = jax.jit(forward, static_argnums=0)
 

@@ -9,21 +9,10 @@ import pytest
 import tiny_models
 from flax import nnx
 
-from models import KVCache, ModelConfig, Transformer, forward, truncate
+from models import KVCache, Transformer, forward, truncate
 from models.transformer import apply_rope, rope_angles
 
-CONFIG = ModelConfig(
-    architecture="llama",
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    qkv_bias=True,
-    o_bias=True,
-)
+CONFIG = tiny_models.tiny_config(architecture="llama", o_bias=True)
 STEP = jax.jit(forward, static_argnums=0)
 
 

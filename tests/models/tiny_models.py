@@ -14,6 +14,24 @@ from models._weights import hf_layout
 from models.config import ModelConfig
 from models.transformer import Transformer
 
+
+def tiny_config(**overrides) -> ModelConfig:
+    """A 2-layer GQA ``ModelConfig`` (qwen2 with q/k/v biases unless overridden)."""
+    fields = dict(
+        architecture="qwen2",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        rope_theta=10_000.0,
+        qkv_bias=True,
+    )
+    return ModelConfig(**(fields | overrides))
+
+
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 _BASE = list("abcdefghijklmnopqrstuvwxyz") + ["Ġ", "Ċ", ".", ",", "!", "?"]
 MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("Ġ", "a"), ("e", "r"), ("o", "n")]
