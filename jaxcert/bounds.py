@@ -17,6 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.scipy.special import xlogy
 
 from jaxcert import _numerics
 
@@ -119,7 +120,8 @@ def tree_margin_upper_bound(margin: jax.typing.ArrayLike, m: int, vocab_size: in
         t = (1.0 - gamma) / (k + 1)
         top = gamma + t
         flat = top * jnp.log(m - k + 1.0)
-        tilted = top * jnp.log((m + 1) * top) + k * t * jnp.log((m + 1) * t)
+        # xlogy: at gamma = 1 the k tied tokens have t = 0 (0 log 0 = 0, not NaN).
+        tilted = xlogy(top, (m + 1) * top) + xlogy(k * t, (m + 1) * t)
         best = jnp.maximum(best, jnp.where((m - k) * t >= gamma, flat, tilted))
     return best
 

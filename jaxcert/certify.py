@@ -109,6 +109,10 @@ def _batches(order: list[int], size: int):
         yield order[start : start + size]
 
 
+def _text(value) -> str | None:
+    return None if value is None else str(value)
+
+
 def certify_prompts(
     lm,
     prompts: Sequence[Prompt],
@@ -247,8 +251,9 @@ def _batch_table(parts, batch, prompts, lengths, rules, options) -> pa.Table:
     pos, row = np.nonzero(keep)  # step-major
     out = {
         "prompt_order": np.asarray(batch)[row],
-        "prompt_id": [prompts[batch[b]].id for b in row],
-        "category": [prompts[batch[b]].category for b in row],
+        # Explicit types: every batch has the same schema whatever its prompts hold.
+        "prompt_id": pa.array([str(prompts[batch[b]].id) for b in row], pa.string()),
+        "category": pa.array([_text(prompts[batch[b]].category) for b in row], pa.string()),
         "prompt_tokens": lengths[row],
         "position": pos.astype(np.int32),
     }

@@ -10,26 +10,17 @@ import pathlib
 import sys
 import time
 
+from jaxcert._argtypes import non_negative as _non_negative
+from jaxcert._argtypes import non_negative_float as _non_negative_float
+from jaxcert._argtypes import positive as _positive
+from jaxcert._argtypes import unit_float as _unit_float
+
 __all__ = ["main", "DEFAULT_RULES", "DEFAULT_TARGET", "DEFAULT_DECODE_TARGET", "DEFAULT_DRAFTER"]
 
 DEFAULT_TARGET = "qwen2.5-coder-0.5b-instruct"
 DEFAULT_DECODE_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFTER = "qwen2.5-coder-0.5b-instruct"
 DEFAULT_RULES = "greedy,additive:0.3,multiplicative:0.1,typical,topk:2,tree:2,tree:4,tree:8"
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
 
 
 def _add_certify(sub) -> None:
@@ -73,13 +64,6 @@ def _add_certify(sub) -> None:
     p.set_defaults(func=_certify)
 
 
-def _unit_float(text: str) -> float:
-    value = float(text)
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
-    return value
-
-
 def _add_decode(sub) -> None:
     p = sub.add_parser(
         "decode",
@@ -103,7 +87,7 @@ def _add_decode(sub) -> None:
     p.add_argument("--verify", default="greedy",
                    help="[SHAPE+]RULE: greedy | additive:T | multiplicative:A | topk:K | typical "
                    "| sample, SHAPE = tree:MxD | dyntree:MxDxN (default greedy)")  # fmt: skip
-    p.add_argument("--temperature", type=float, default=0.0,
+    p.add_argument("--temperature", type=_non_negative_float, default=0.0,
                    help="0 for greedy/relaxed rules; > 0 with 'sample' (default 0)")  # fmt: skip
     p.add_argument("--top-p", type=_unit_float, default=1.0, help="nucleus for sampling")
     p.add_argument("--max-new-tokens", type=_positive, default=128, help="per prompt")
@@ -163,6 +147,11 @@ def _decode(args) -> int:
     config = dataclasses.replace(config, eos_ids=_eos_ids(target))
     encoded = prompts.encode_prompts(target.tokenizer, prompt_set, chat=not args.no_chat,
                                      system_prompt=args.system_prompt)  # fmt: skip
+    short = [p.id for p, e in zip(prompt_set, encoded, strict=True) if len(e) < 2]
+    if short:  # checked before anything is decoded
+        raise ValueError(
+            f"prompts {short} encode to fewer than 2 tokens; speculative decoding needs 2"
+        )
     width = 16 * -(-max(len(e) for e in encoded) // 16)
     print(f"[jaxcert] target {target.path.name} ({target.config.num_layers} layers), drafter "
           f"{drafter.path.name} ({drafter.config.num_layers} layers), V={target.config.vocab_size},"
@@ -430,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, AssetError) as err:
+    except (ValueError, OSError, AssetError) as err:  # OSError: unwritable --out, ...
         print(f"jaxcert {args.command}: error: {err}", file=sys.stderr)
         return 2
 

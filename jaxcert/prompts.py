@@ -54,7 +54,9 @@ def _read_jsonl(path: pathlib.Path, turn: int) -> list[Prompt]:
             if not isinstance(text, str) or not text.strip():
                 raise ValueError(f"{path}:{number}: the prompt is empty or not a string")
             ident = record.get("id", record.get("question_id", number))
-            prompts.append(Prompt(str(ident), text, record.get("category")))
+            category = record.get("category")
+            category = None if category is None else str(category)
+            prompts.append(Prompt(str(ident), text, category))
     if not prompts:
         raise ValueError(f"{path}: no prompts found")
     return prompts

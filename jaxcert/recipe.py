@@ -17,6 +17,8 @@ import time
 
 import numpy as np
 
+from jaxcert._argtypes import non_negative, non_negative_float, positive, positive_float, unit_float
+
 __all__ = ["add_parser", "run"]
 
 
@@ -30,28 +32,30 @@ def add_parser(sub) -> None:
         "acceptance length (offline, and in the speculative decoder).",
     )
     p.add_argument("--target", default="qwen2.5-coder-0.5b-instruct")
-    p.add_argument("--exit-layer", type=int, default=6,
+    p.add_argument("--exit-layer", type=positive, default=6,
                    help="self-speculative drafter: the target's first N layers + the head "
                    "(default 6); ignored with --drafter")  # fmt: skip
     p.add_argument("--drafter", default=None,
                    help="a separate drafter model instead (asset, folder or .gguf); the head "
                    "then sits on its final hidden states")  # fmt: skip
     p.add_argument("--prompts", default="mtbench")
-    p.add_argument("--max-prompts", type=int, default=80)
-    p.add_argument("--heldout", type=float, default=0.25,
+    p.add_argument("--max-prompts", type=positive, default=80)
+    p.add_argument("--heldout", type=unit_float, default=0.25,
                    help="fraction of prompts held out for evaluation (default 0.25)")  # fmt: skip
-    p.add_argument("--continuation", type=int, default=128,
+    p.add_argument("--continuation", type=positive, default=128,
                    help="greedy tokens of the target per prompt (default 128)")  # fmt: skip
-    p.add_argument("--train-steps", type=int, default=150)
-    p.add_argument("--batch-size", type=int, default=64, help="positions per optimiser step")
-    p.add_argument("--learning-rate", type=float, default=1e-3)
-    p.add_argument("--width", type=int, default=1024, help="hidden width of the head")
-    p.add_argument("--weight", type=float, default=1.0, help="lambda of the violation term")
-    p.add_argument("--margin", type=float, default=0.0, help="nats of slack in the hinge")
-    p.add_argument("--draft-length", type=int, default=5,
+    p.add_argument("--train-steps", type=positive, default=150)
+    p.add_argument("--batch-size", type=positive, default=64, help="positions per optimiser step")
+    p.add_argument("--learning-rate", type=positive_float, default=1e-3)
+    p.add_argument("--width", type=positive, default=1024, help="hidden width of the head")
+    p.add_argument("--weight", type=non_negative_float, default=1.0,
+                   help="lambda of the violation term")  # fmt: skip
+    p.add_argument("--margin", type=non_negative_float, default=0.0,
+                   help="nats of slack in the hinge")  # fmt: skip
+    p.add_argument("--draft-length", type=positive, default=5,
                    help="K of the chain acceptance length, offline and in the decoder "
                    "(default 5)")  # fmt: skip
-    p.add_argument("--decode-tokens", type=int, default=64,
+    p.add_argument("--decode-tokens", type=non_negative, default=64,
                    help="new tokens per held-out prompt in the speculative decoder "
                    "(greedy chain, constant K) with each trained drafter; 0 skips it "
                    "(default 64)")  # fmt: skip
@@ -142,6 +146,12 @@ def run(args) -> int:
     if args.features is not None:
         with np.load(args.features) as f:
             saved = training.FeatureSet(**{k: f[k] for k in f.files})
+        if len(saved) == 0 or saved.prompt.max() >= len(prompt_set):
+            raise ValueError(
+                f"{args.features}: its prompts do not fit --prompts {args.prompts} with "
+                f"--max-prompts {args.max_prompts} ({len(prompt_set)} prompts); use the "
+                "options of the run that saved it"
+            )
     else:
         bar, update = _bar("target continuations")
         conts = training.greedy_continuations(
@@ -176,6 +186,11 @@ def run(args) -> int:
     held = rng.choice(prompt_ids, max(1, round(args.heldout * len(prompt_ids))), replace=False)
     is_held = np.isin(features.prompt, held)
     train, test = features.select(~is_held), features.select(is_held)
+    if len(train) == 0 or len(test) == 0:
+        raise ValueError(
+            f"{len(prompt_ids)} prompt(s) with positions: need at least 2 to hold some out "
+            "(raise --max-prompts)"
+        )
     print(f"[jaxcert] features: {len(train)} train / {len(test)} held-out positions "
           f"({len(prompt_ids) - len(held)} / {len(held)} prompts)", file=sys.stderr)  # fmt: skip
     rules = (rules_lib.StrictGreedy(), rules_lib.TreeCoverage(4))
@@ -212,13 +227,19 @@ def run(args) -> int:
         result = training.evaluate(head, test, target_head, drafter_head, **kw)
         results.append({"drafter": objective.name, **result})
         print(f"[jaxcert] {objective.name}: {result}", file=sys.stderr)
+
+    def save():  # after training, and again with the decoder's figures
+        table = report.markdown_table(results, digits=4)
+        seconds = round(time.perf_counter() - started, 1)
+        meta = {"command": " ".join(sys.argv), "args": vars(args), "results": results,
+                "histories": histories, "seconds": seconds}  # fmt: skip
+        (out / "results.json").write_text(json.dumps(meta, indent=2, default=str))
+        (out / "results.md").write_text(table + "\n")
+        return table
+
+    save()
     _plot(histories, out / "training_curves.png")
     if args.decode_tokens > 0:
         _decode_heldout(args, prompt_set, held, heads, results)
-    table = report.markdown_table(results, digits=4)
-    meta = {"command": " ".join(sys.argv), "args": vars(args), "results": results,
-            "histories": histories, "seconds": round(time.perf_counter() - started, 1)}  # fmt: skip
-    (out / "results.json").write_text(json.dumps(meta, indent=2, default=str))
-    (out / "results.md").write_text(table + "\n")
-    print(table)
+    print(save())
     return 0

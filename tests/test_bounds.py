@@ -142,3 +142,12 @@ def test_certified_run_length_matches_loop():
             run = run + 1 if eps[idx][t] < c[idx][t] else 0
             want[idx + (t,)] = run
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("m", [1, 2, 4])
+def test_tree_upper_bound_at_margin_one_is_the_point_mass_certificate(m):
+    """gamma = 1 (p a point mass): the supremum is C = log(m + 1), finite (no 0 log 0)."""
+    upper = float(jaxcert.tree_margin_upper_bound(1.0, m, 50))
+    point = jnp.full((50,), -jnp.inf).at[3].set(0.0)
+    cert = float(jaxcert.certificate(point, jaxcert.TreeCoverage(m)).value)
+    np.testing.assert_allclose([upper, cert], [np.log(m + 1)] * 2, rtol=1e-6)

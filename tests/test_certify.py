@@ -132,6 +132,24 @@ def test_cli_errors_are_clear(override, message, checkpoint, prompt_file, tmp_pa
     assert message in capsys.readouterr().err
 
 
+def test_cli_certify_mixed_categories_and_out_errors(checkpoint, tmp_path, capsys):
+    """Categories missing on some lines or not strings still make one table."""
+    path = tmp_path / "mixed.jsonl"
+    path.write_text('{"prompt": "the cat sat", "category": "a"}\n{"prompt": "an otter"}\n'
+                    '{"prompt": "he is in", "category": 3}\n')  # fmt: skip
+    out = tmp_path / "run"
+    args = ["certify", "--target", str(checkpoint), "--prompts", str(path), "--rules", "greedy",
+            "--steps", "2", "--batch-size", "1", "--ignore-eos", "--no-plots"]  # fmt: skip
+    assert cli.main(args + ["--out", str(out)]) == 0
+    table = pq.read_table(out / "positions.parquet")
+    ids, cats = table.column("prompt_id").to_pylist(), table.column("category").to_pylist()
+    pairs = zip(ids, cats, strict=True)
+    assert sorted(pairs, key=str) == [("1", "a")] * 2 + [("2", None)] * 2 + [("3", "3")] * 2
+    (tmp_path / "file").write_text("x")
+    assert cli.main(args + ["--out", str(tmp_path / "file")]) == 2
+    assert "file" in capsys.readouterr().err
+
+
 def test_load_prompts_formats_and_errors(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text(

@@ -149,19 +149,39 @@ def test_cli_train_drafter_end_to_end(tmp_path):
     rc = cli.main(["train-drafter", "--target", str(target), "--drafter", str(drafter),
                    "--prompts", str(path), "--continuation", "6", "--train-steps", "12",
                    "--batch-size", "8", "--width", "16", "--heldout", "0.5",
-                   "--out", str(out)])  # fmt: skip
+                   "--decode-tokens", "4", "--out", str(out)])  # fmt: skip
     assert rc == 0
     results = json.loads((out / "results.json").read_text())["results"]
     assert [r["drafter"].split()[0] for r in results] == ["untrained", "(a)", "(b)", "(c)"]
+    assert all(1 <= r["decoder_acceptance_length"] <= 6 for r in results)
     assert (out / "training_curves.png").stat().st_size > 1000
     assert (out / "features.npz").is_file()
     early = cli.main(["train-drafter", "--target", str(target), "--exit-layer", "1",
                       "--prompts", str(path), "--continuation", "5", "--train-steps", "4",
-                      "--width", "8", "--out", str(tmp_path / "early")])  # fmt: skip
+                      "--width", "8", "--decode-tokens", "0",
+                      "--out", str(tmp_path / "early")])  # fmt: skip
     assert early == 0
     assert (tmp_path / "early" / "results.md").read_text().count("\n") == 6
     again = ["--features", str(out / "features.npz"), "--out", str(tmp_path / "again")]
     rc = cli.main(["train-drafter", "--target", str(target), "--drafter", str(drafter),
                    "--prompts", str(path), "--train-steps", "3", "--width", "16",
-                   *again])  # fmt: skip
+                   "--decode-tokens", "0", *again])  # fmt: skip
     assert rc == 0
+    # Features of other prompts are refused before any training.
+    rc = cli.main(["train-drafter", "--target", str(target), "--drafter", str(drafter),
+                   "--prompts", str(path), "--max-prompts", "2", *again])  # fmt: skip
+    assert rc == 2
+
+
+@pytest.mark.parametrize(
+    "flag, value",
+    [("--draft-length", "0"), ("--train-steps", "0"), ("--batch-size", "0"),
+     ("--learning-rate", "nan"), ("--width", "0"), ("--heldout", "1.5")],
+)  # fmt: skip
+def test_cli_train_drafter_rejects_bad_options_when_parsing(flag, value, capsys):
+    from jaxcert import cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["train-drafter", flag, value])
+    assert exit_info.value.code == 2
+    assert flag in capsys.readouterr().err

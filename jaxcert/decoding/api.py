@@ -70,6 +70,11 @@ def split_model(model) -> tuple[nnx.GraphDef, nnx.State]:
     return nnx.split(module)
 
 
+def _vocab_size(model) -> int | None:
+    config = _config_of(model)  # None for a (graphdef, params) pair: ids checked for >= 0 only
+    return None if config is None else int(config.vocab_size)
+
+
 def _config_of(model):
     module = getattr(model, "model", model)
     return getattr(module, "config", None)
@@ -91,17 +96,34 @@ def check_pair(target, drafter) -> None:
         )
 
 
-def _pad_prompts(prompts: Sequence[Sequence[int]], width: int | None, minimum: int):
-    lengths = np.array([len(p) for p in prompts], np.int32)
+def _pad_prompts(
+    prompts: Sequence[Sequence[int]], width: int | None, minimum: int, vocab_size: int | None
+):
+    """``[B, W]`` int32 padded prompts and ``[B]`` lengths, after checking every token id."""
     if len(prompts) == 0:
         raise ValueError("no prompts")
+    if any(isinstance(p, (int, np.integer)) for p in prompts):
+        raise ValueError("prompts must be a list of token-id sequences (one per row)")
+    rows = [np.asarray(p) for p in prompts]
+    for i, ids in enumerate(rows):
+        if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
+            raise ValueError(f"prompt {i}: expected a sequence of integer token ids")
+        high = np.iinfo(np.int32).max if vocab_size is None else vocab_size
+        if ids.size and (ids.min() < 0 or ids.max() >= high):
+            raise ValueError(
+                f"prompt {i}: token ids must be in [0, {vocab_size}), got {ids.min()}..{ids.max()}"
+            )
+    lengths = np.array([len(p) for p in rows], np.int32)
     if lengths.min() < minimum:
-        raise ValueError(f"every prompt needs at least {minimum} tokens, got {lengths.min()}")
+        raise ValueError(
+            f"every prompt needs at least {minimum} tokens; prompt {int(lengths.argmin())} "
+            f"has {lengths.min()}"
+        )
     w = int(lengths.max()) if width is None else width
     if w < lengths.max():
         raise ValueError(f"prompt_width={w} is shorter than the longest prompt ({lengths.max()})")
     out = np.zeros((len(prompts), w), np.int32)
-    for row, ids in enumerate(prompts):
+    for row, ids in enumerate(rows):
         out[row, : len(ids)] = ids
     return jnp.asarray(out), jnp.asarray(lengths)
 
@@ -161,7 +183,7 @@ def speculative_decode(
     check_pair(target, drafter)
     t_graph, t_params = split_model(target)
     d_graph, d_params = split_model(drafter)
-    prompt, lengths = _pad_prompts(prompts, prompt_width, 2)
+    prompt, lengths = _pad_prompts(prompts, prompt_width, 2, _vocab_size(target))
     key = jax.random.key(0) if key is None else key
     sizes = loop.Sizes.for_prompts(prompt.shape[1], config, config.max_new_tokens)
     params = policies_lib.PolicyParams.from_policy(policy)
@@ -214,8 +236,15 @@ def target_decode(
 
     Arguments as in :func:`speculative_decode`; prompts need at least 1 token.
     """
+    loop.check_sampling(temperature, top_p)
+    if (
+        isinstance(max_new_tokens, bool)
+        or not isinstance(max_new_tokens, int)
+        or max_new_tokens < 1
+    ):
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     graph, params = split_model(target)
-    prompt, lengths = _pad_prompts(prompts, prompt_width, 1)
+    prompt, lengths = _pad_prompts(prompts, prompt_width, 1, _vocab_size(target))
     key = jax.random.key(0) if key is None else key
     sizes = loop.Sizes.for_prompts(prompt.shape[1], None, max_new_tokens)
     t0 = time.perf_counter()

@@ -37,9 +37,26 @@ from jaxcert.decoding.verify import (
 )
 from models.cache import KVCache
 
-__all__ = ["DecodeConfig", "prefill", "run_rounds", "prefill_target", "run_target_steps"]
+__all__ = [
+    "DecodeConfig",
+    "check_sampling",
+    "prefill",
+    "run_rounds",
+    "prefill_target",
+    "run_target_steps",
+]
 
 _LEVEL_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
+
+
+def check_sampling(temperature: float, top_p: float) -> None:
+    """Raises ``ValueError`` unless ``temperature`` is finite, ``>= 0``, and ``top_p`` in (0, 1]."""
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature)) or (
+        temperature < 0
+    ):
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if not (isinstance(top_p, (int, float)) and 0.0 < top_p <= 1.0):
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -75,14 +92,13 @@ class DecodeConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        check_sampling(self.temperature, self.top_p)
         if self.verification.sampling != (self.temperature > 0):
             raise ValueError(
                 f"temperature {self.temperature} does not fit verification "
                 f"{self.verification.spec!r}: speculative sampling ('sample', "
                 "'tree:MxD+sample') needs temperature > 0; deterministic rules need 0"
             )
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.buckets is not None:
             b = tuple(self.buckets)
             if not b or list(b) != sorted(set(b)) or b[0] < 1 or b[-1] != self.num_nodes:

@@ -139,7 +139,11 @@ def sampling_log_probs(logits: jax.Array, temperature: float, top_p: float = 1.0
     Returns:
       ``[..., V]`` float32 normalised log-probabilities, ``-inf`` outside the nucleus.
     """
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
+    x = logits.astype(jnp.float32)
+    # Shift before scaling: a tiny T then sends the argmax to 0 and the rest to -inf
+    # instead of overflowing to inf - inf = NaN.
+    x = x - lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))
+    logp = jax.nn.log_softmax(x / temperature, axis=-1)
     if top_p >= 1.0:
         return logp
     desc = -jnp.sort(-logp, axis=-1)

@@ -86,6 +86,40 @@ def test_vocabulary_mismatch_is_a_clear_error(target):
         decoding.check_pair(target, small)
 
 
+@pytest.mark.parametrize(
+    "prompts, match",
+    [
+        ([[3, 48]], r"prompt 0: token ids must be in \[0, 48\)"),
+        ([[1, 2], [-1, 4]], r"prompt 1: token ids must be in"),
+        ([[1.5, 2.0]], "integer token ids"),
+        ([1, 2, 3], "list of token-id sequences"),
+    ],
+    ids=["too-large", "negative", "float", "flat-list"],
+)
+def test_bad_token_ids_are_rejected(target, drafters, prompts, match):
+    config = decoding.DecodeConfig(max_new_tokens=4, max_draft=2)
+    with pytest.raises(ValueError, match=match):
+        decoding.speculative_decode(
+            target, drafters["similar"], prompts, policy=decoding.Constant(k=2), config=config
+        )
+    with pytest.raises(ValueError, match=match):
+        decoding.target_decode(target, prompts, max_new_tokens=4)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(temperature=float("nan")), "temperature must be a finite number >= 0"),
+        (dict(temperature=-1.0), "temperature must be"),
+        (dict(top_p=0.0), "top_p must be in"),
+        (dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1"),
+    ],
+)
+def test_target_decode_checks_its_settings(target, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        decoding.target_decode(target, PROMPTS, **({"max_new_tokens": 4} | kwargs))
+
+
 def test_short_prompt_is_rejected(target, drafters):
     with pytest.raises(ValueError, match="at least 2 tokens"):
         decoding.speculative_decode(

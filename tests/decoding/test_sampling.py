@@ -90,3 +90,21 @@ def test_target_only_sampling_matches_too(small_pair):
     np.add.at(observed, (first_two[:, 0], first_two[:, 1]), 1)
     expected = _exact_joint(target, 1.0, 1.0) * ROWS
     assert _chi_square(observed.ravel(), expected.ravel()) > 1e-3
+
+
+def test_vanishing_temperature_is_greedy(small_pair):
+    """T -> 0 sampling is greedy decoding (no overflow to NaN in logits / T)."""
+    target, drafter = small_pair
+    greedy = decoding.target_decode(target, [PROMPT], max_new_tokens=4).tokens[0]
+    cold = decoding.target_decode(target, [PROMPT], max_new_tokens=4, temperature=1e-20)
+    np.testing.assert_array_equal(cold.tokens[0], greedy)
+    config = decoding.DecodeConfig(
+        verification=decoding.parse_verify("sample"), max_new_tokens=4, max_draft=2,
+        temperature=1e-20,
+    )  # fmt: skip
+    spec = decoding.speculative_decode(
+        target, drafter, [PROMPT], policy=decoding.Constant(k=2), config=config
+    )
+    np.testing.assert_array_equal(spec.tokens[0], greedy)
+    lp = sampling_log_probs(jnp.asarray([[1.0, 3.0, -2.0]]), 1e-30)
+    np.testing.assert_array_equal(np.exp(np.asarray(lp)), [[0.0, 1.0, 0.0]])

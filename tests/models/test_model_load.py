@@ -36,6 +36,7 @@ def test_public_surface():
             "load",
             "load_gguf",
             "load_hf",
+            "truncate",
         ]
     )
 
@@ -88,6 +89,36 @@ def test_unsupported_config_is_named(np_case, tmp_path):
     config["hidden_act"] = "gelu"
     (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="hidden_act"):
+        load_hf(tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize(
+    "damage, match",
+    [
+        (lambda d: (d / "config.json").unlink(), "no config.json"),
+        (lambda d: (d / "config.json").write_text("{bad json"), "config.json: cannot be read"),
+        (
+            lambda d: [
+                (d / f).unlink()
+                for f in ("tokenizer.json", "tokenizer_config.json")
+                if (d / f).exists()
+            ],
+            "no tokenizer files",
+        ),  # fmt: skip
+        (
+            lambda d: (d / "model.safetensors").write_bytes(
+                (d / "model.safetensors").read_bytes()[:2000]
+            ),
+            "model.safetensors: not a readable safetensors file",
+        ),
+    ],
+    ids=["no-config", "corrupt-config", "no-tokenizer", "truncated-weights"],
+)
+def test_damaged_folder_is_named(np_case, tmp_path, damage, match):
+    path, _, _ = np_case("llama")
+    shutil.copytree(path, tmp_path / "ckpt")
+    damage(tmp_path / "ckpt")
+    with pytest.raises(ValueError, match=match):
         load_hf(tmp_path / "ckpt")
 
 
