@@ -97,7 +97,10 @@ def check_pair(target, drafter) -> None:
 
 
 def _pad_prompts(
-    prompts: Sequence[Sequence[int]], width: int | None, minimum: int, vocab_size: int | None
+    prompts: Sequence[Sequence[int]],
+    width: int | None,
+    minimum: int,
+    vocab_size: int | None = None,
 ):
     """``[B, W]`` int32 padded prompts and ``[B]`` lengths, after checking every token id."""
     if len(prompts) == 0:

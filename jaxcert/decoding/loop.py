@@ -32,6 +32,7 @@ from jaxcert.decoding.state import DecodeState, RoundStats
 from jaxcert.decoding.verify import (
     Verification,
     in_accepted_set,
+    parse_verify,
     sample_tree,
     sampling_log_probs,
 )
@@ -64,7 +65,8 @@ class DecodeConfig:
     """Static settings of a decoder (one compilation per distinct config and shape).
 
     Attributes:
-      verification: draft shape and rule (``rule=None``: speculative sampling).
+      verification: draft shape and rule (``rule=None``: speculative sampling), or its
+        spelling for :func:`~jaxcert.decoding.verify.parse_verify`.
       max_new_tokens: output budget per row.
       max_draft: deepest chain (``K_max``); trees use their own depth.
       temperature: ``0`` for deterministic rules, ``> 0`` for sampling.
@@ -88,6 +90,11 @@ class DecodeConfig:
     rounds_per_call: int = 8
 
     def __post_init__(self):
+        if isinstance(self.verification, str):  # e.g. "tree:2x4+greedy"
+            object.__setattr__(self, "verification", parse_verify(self.verification))
+        if not isinstance(self.verification, Verification):
+            raise ValueError(f"verification must be a Verification, got {self.verification!r}")
+        object.__setattr__(self, "eos_ids", tuple(int(i) for i in self.eos_ids))
         for name in ("max_new_tokens", "max_draft", "rounds_per_call"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -120,6 +120,14 @@ def test_target_decode_checks_its_settings(target, kwargs, match):
         decoding.target_decode(target, PROMPTS, **({"max_new_tokens": 4} | kwargs))
 
 
+def test_decode_config_takes_spellings():
+    config = decoding.DecodeConfig(verification="tree:2x3+greedy", eos_ids=[5, 7])
+    assert config.verification == decoding.parse_verify("tree:2x3+greedy")
+    assert config.eos_ids == (5, 7) and config.num_nodes == 6
+    with pytest.raises(ValueError, match="unknown|expected"):
+        decoding.DecodeConfig(verification="bogus")
+
+
 def test_short_prompt_is_rejected(target, drafters):
     with pytest.raises(ValueError, match="at least 2 tokens"):
         decoding.speculative_decode(
