@@ -154,6 +154,8 @@ def certified_run_length(
     values = jnp.asarray(certificate_values)
     if values.ndim < 1:
         raise ValueError(f"certificate_values must have shape [..., T], got {values.shape}")
+    # Compare in at least float32: a bfloat16 budget would round (0.2000001 -> 0.2002).
+    values = values.astype(jnp.promote_types(values.dtype, jnp.float32))
     try:
         budget = jnp.broadcast_to(jnp.asarray(budget, values.dtype), values.shape)
     except ValueError as err:

@@ -151,3 +151,9 @@ def test_tree_upper_bound_at_margin_one_is_the_point_mass_certificate(m):
     point = jnp.full((50,), -jnp.inf).at[3].set(0.0)
     cert = float(jaxcert.certificate(point, jaxcert.TreeCoverage(m)).value)
     np.testing.assert_allclose([upper, cert], [np.log(m + 1)] * 2, rtol=1e-6)
+
+
+def test_run_length_compares_in_float32_for_bfloat16_certificates():
+    values = jnp.asarray([0.2, 0.3, 0.1, 0.5], jnp.bfloat16)
+    budget = float(values[0]) - 1e-7  # just below the first certificate
+    np.testing.assert_array_equal(jaxcert.certified_run_length(values, budget), [2, 1, 0, 1])
