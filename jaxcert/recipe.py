@@ -120,7 +120,7 @@ def _decode_heldout(args, prompt_set, held, heads, results) -> None:
             target, drafter, encoded, draft_length=args.draft_length,
             max_new_tokens=args.decode_tokens, eos_ids=eos,
         )  # fmt: skip
-        result.update({k: measured[k] for k in ("decoder_acceptance_length",)})
+        result["decoder_acceptance_length"] = measured["decoder_acceptance_length"]
         update(i + 1, len(heads))
     bar.close()
 
