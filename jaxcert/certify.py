@@ -97,13 +97,6 @@ def _prefill(graphdef, state, tokens, lengths, cache):
     return last, cache.commit(lengths)
 
 
-def _eos_ids(lm) -> tuple[int, ...]:
-    ids = set(lm.config.eos_token_ids)
-    if getattr(lm.tokenizer, "eos_token_id", None) is not None:
-        ids.add(int(lm.tokenizer.eos_token_id))
-    return tuple(sorted(ids)) or (-1,)
-
-
 def _batches(order: list[int], size: int):
     for start in range(0, len(order), size):
         yield order[start : start + size]
@@ -158,7 +151,7 @@ def certify_prompts(
     # Batch prompts of similar length together: less padding in the prefill.
     order = sorted(keep, key=lambda i: len(encoded[i]))
     graphdef, state = nnx.split(lm.model)
-    eos = _eos_ids(lm)
+    eos = lm.eos_ids or (-1,)  # -1: no token ends a row
     chunks = math.ceil(options.steps / options.chunk)
     total = math.ceil(len(order) / options.batch_size) * chunks * options.chunk
     done = 0

@@ -107,13 +107,6 @@ def _add_decode(sub) -> None:
     p.set_defaults(func=_decode)
 
 
-def _eos_ids(lm) -> tuple[int, ...]:
-    ids = set(lm.config.eos_token_ids)
-    if getattr(lm.tokenizer, "eos_token_id", None) is not None:
-        ids.add(int(lm.tokenizer.eos_token_id))
-    return tuple(sorted(ids))
-
-
 def _decode(args) -> int:
     import jax
     import pyarrow as pa
@@ -144,7 +137,7 @@ def _decode(args) -> int:
     drafter = models.load(args.drafter)
     decoding.check_pair(target, drafter)
     load_s = time.perf_counter() - t0
-    config = dataclasses.replace(config, eos_ids=_eos_ids(target))
+    config = dataclasses.replace(config, eos_ids=target.eos_ids)
     encoded = prompts.encode_prompts(target.tokenizer, prompt_set, chat=not args.no_chat,
                                      system_prompt=args.system_prompt)  # fmt: skip
     short = [p.id for p, e in zip(prompt_set, encoded, strict=True) if len(e) < 2]

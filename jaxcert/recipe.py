@@ -112,13 +112,12 @@ def _decode_heldout(args, prompt_set, held, heads, results) -> None:
     else:
         base = models.load(args.drafter, dtype=jnp.float32).model
     encoded = prompts.encode_prompts(target.tokenizer, [prompt_set[i] for i in sorted(held)])
-    eos = sorted(set(target.config.eos_token_ids))
     bar, update = _bar("decoder acceptance")
     for i, (result, head) in enumerate(zip(results, heads, strict=True)):
         drafter = base if head is None else training.HeadedDrafter(base, head)
         measured = training.decoder_acceptance(
             target, drafter, encoded, draft_length=args.draft_length,
-            max_new_tokens=args.decode_tokens, eos_ids=eos,
+            max_new_tokens=args.decode_tokens, eos_ids=target.eos_ids,
         )  # fmt: skip
         result["decoder_acceptance_length"] = measured["decoder_acceptance_length"]
         update(i + 1, len(heads))

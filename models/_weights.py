@@ -36,6 +36,14 @@ class LoadedModel:
     config: ModelConfig
     path: pathlib.Path
 
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """Tokens that end generation: the config's and the tokenizer's end ids, sorted."""
+        ids = set(self.config.eos_token_ids)
+        if getattr(self.tokenizer, "eos_token_id", None) is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return tuple(sorted(ids))
+
 
 def hf_layout(config: ModelConfig) -> dict[str, tuple[tuple, tuple[int, ...]]]:
     """Every tensor a Hugging Face checkpoint of `config` has.

@@ -125,7 +125,7 @@ def main(argv=None) -> int:
     drafter = models.load(args.drafter)
     decoding.check_pair(target, drafter)
     load_s = time.perf_counter() - t0
-    eos = tuple(sorted(set(target.config.eos_token_ids) | {target.tokenizer.eos_token_id}))
+    eos = target.eos_ids
     prompt_set = prompts.load_prompts(args.prompts)
     prompt_set = [prompt_set[int(i)] for i in args.prompt_indices.split(",")]
     encoded = prompts.encode_prompts(target.tokenizer, prompt_set)
