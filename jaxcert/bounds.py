@@ -20,6 +20,7 @@ from jax import lax
 from jax.scipy.special import xlogy
 
 from jaxcert import _numerics
+from jaxcert._checks import check_int as _check_int
 
 __all__ = [
     "greedy_margin_bounds",
@@ -34,12 +35,6 @@ def _margin(margin):
     if not jnp.issubdtype(margin.dtype, jnp.floating):
         margin = margin.astype(jnp.float32)
     return jnp.clip(margin, 0.0, 1.0)
-
-
-def _check_int(name: str, value, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-    return value
 
 
 def greedy_margin_bounds(margin: jax.typing.ArrayLike, vocab_size: int):

@@ -21,6 +21,8 @@ import math
 
 import jax.numpy as jnp
 
+from jaxcert._checks import check_int
+
 __all__ = [
     "Rule",
     "SingleTokenRule",
@@ -85,11 +87,6 @@ def _check_unit_interval(name: str, value: float, *, closed_right: bool = False)
     if not ok:
         bound = "(0, 1]" if closed_right else "(0, 1)"
         raise ValueError(f"{name} must be a finite number in {bound}, got {value!r}")
-
-
-def _check_positive_int(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +160,7 @@ class TargetTopK(_RuleBase):
     k: int
 
     def __post_init__(self):
-        _check_positive_int("TargetTopK.k", self.k)
+        check_int("TargetTopK.k", self.k)
 
     @property
     def static_upper_size(self) -> int:
@@ -230,7 +227,7 @@ class TreeCoverage(_RuleBase):
     base: SingleTokenRule | None = None
 
     def __post_init__(self):
-        _check_positive_int("TreeCoverage.m", self.m)
+        check_int("TreeCoverage.m", self.m)
         if self.base is not None and not isinstance(self.base, _SINGLE):
             raise ValueError(
                 "TreeCoverage.base must be a single-token rule (StrictGreedy, Additive, "

@@ -34,6 +34,7 @@ from jax import lax
 
 from jaxcert import _numerics
 from jaxcert import rules as rules_lib
+from jaxcert._checks import check_int
 
 __all__ = ["Certificate", "certificate", "certificates", "DEFAULT_TOP_K"]
 
@@ -320,8 +321,7 @@ def _check_inputs(logits, rules, top_k):
     bad = [r for r in rules if not isinstance(r, rules_lib._SINGLE + (rules_lib.TreeCoverage,))]
     if bad or not rules:
         raise ValueError(f"expected one or more jaxcert rules, got {bad or rules!r}")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
-        raise ValueError(f"top_k must be an integer >= 1, got {top_k!r}")
+    check_int("top_k", top_k)
     return logits
 
 

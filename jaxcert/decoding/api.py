@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxcert._checks import check_int
 from jaxcert.decoding import loop
 from jaxcert.decoding import policies as policies_lib
 from jaxcert.decoding.state import RoundStats
@@ -240,12 +241,7 @@ def target_decode(
     Arguments as in :func:`speculative_decode`; prompts need at least 1 token.
     """
     loop.check_sampling(temperature, top_p)
-    if (
-        isinstance(max_new_tokens, bool)
-        or not isinstance(max_new_tokens, int)
-        or max_new_tokens < 1
-    ):
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    check_int("max_new_tokens", max_new_tokens)
     graph, params = split_model(target)
     prompt, lengths = _pad_prompts(prompts, prompt_width, 1, _vocab_size(target))
     key = jax.random.key(0) if key is None else key

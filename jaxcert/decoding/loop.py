@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from jaxcert._checks import check_int
 from jaxcert.decoding import policies as policies_lib
 from jaxcert.decoding import stats as stats_lib
 from jaxcert.decoding import tree as tree_lib
@@ -96,9 +97,7 @@ class DecodeConfig:
             raise ValueError(f"verification must be a Verification, got {self.verification!r}")
         object.__setattr__(self, "eos_ids", tuple(int(i) for i in self.eos_ids))
         for name in ("max_new_tokens", "max_draft", "rounds_per_call"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            check_int(name, getattr(self, name))
         check_sampling(self.temperature, self.top_p)
         if self.verification.sampling != (self.temperature > 0):
             raise ValueError(
@@ -326,40 +325,19 @@ def _round(t_graph, t_params, d_graph, d_params, policy, state: DecodeState, con
     index = jnp.minimum(jnp.searchsorted(jnp.asarray(buckets), n_eff), len(buckets) - 1)
     branches = [functools.partial(_verify, nb, t_graph=t_graph, config=config) for nb in buckets]
     operands = (t_params, state.target_cache, tree, state.tokens, state.length, k_verify)
-    t_cache, accepted, new, offsets, ns = lax.switch(index, branches, operands)
-    return _commit(
-        state,
-        config,
-        policy,
-        key,
-        tree,
-        active,
-        remaining,
-        d_cache,
-        t_cache,
-        accepted,
-        new,
-        offsets,
-        ns,
-    )
+    verified = lax.switch(index, branches, operands)
+    return _commit(state, config, policy, key, tree, d_cache, verified)
 
 
-def _commit(
-    state,
-    config,
-    policy,
-    key,
-    tree,
-    active,
-    remaining,
-    d_cache,
-    t_cache,
-    accepted,
-    new,
-    offsets,
-    ns,
-):
-    """Appends the accepted path and the target token; rolls caches to the kept path."""
+def _commit(state, config, policy, key, tree, d_cache, verified):
+    """Appends the accepted path and the target token; rolls caches to the kept path.
+
+    ``verified`` is what :func:`_verify` returns: the target cache, accepted counts, new
+    tokens, accepted-path offsets and node statistics.
+    """
+    t_cache, accepted, new, offsets, ns = verified
+    active = ~state.done
+    remaining = config.max_new_tokens - state.generated
     b = state.length.shape[0]
     rows = jnp.arange(b)
     keep = jnp.where(active, accepted + 1, 0)

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxcert import _numerics
+from jaxcert._checks import check_int as _check_int
 from jaxcert.decoding.state import PolicyState
 
 __all__ = [
@@ -54,11 +55,6 @@ __all__ = [
 
 DEFAULT_K_MAX = 40
 _KINDS = ("constant", "heuristic", "confidence", "svip", "cert")
-
-
-def _check_int(name, value, low=1):
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
 
 
 def _check_float(name, value, low, high, *, closed_high=True):

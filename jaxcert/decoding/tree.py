@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxcert._checks import check_int as _check_int
+
 __all__ = [
     "Chain",
     "StaticTree",
@@ -39,11 +41,6 @@ __all__ = [
     "accept_longest_path",
     "path_offsets",
 ]
-
-
-def _check_int(name, value, low=1):
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
