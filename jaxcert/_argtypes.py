@@ -1,43 +1,14 @@
-"""argparse types that reject out-of-range values when the command line is parsed."""
+"""argparse types built on :mod:`jaxcert._validate`: the command line rejects out-of-range
+values when it is parsed, with the library's own checks."""
 
 from __future__ import annotations
 
-import argparse
-import math
+from jaxcert._validate import argtype, check_float, check_int, check_probability
 
 __all__ = ["positive", "non_negative", "unit_float", "positive_float", "non_negative_float"]
 
-
-def positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def unit_float(text: str) -> float:
-    value = float(text)
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    value = float(text)
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {value}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    value = float(text)
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {value}")
-    return value
+positive = argtype(check_int)
+non_negative = argtype(check_int, low=0)
+unit_float = argtype(check_probability, float)
+positive_float = argtype(check_float, float, strict=True)
+non_negative_float = argtype(check_float, float)

@@ -27,6 +27,8 @@ import sys
 import tempfile
 import zipfile
 
+from jaxcert._paths import cache_dir
+
 __all__ = ["Asset", "AssetError", "ASSETS", "cache_dir", "cached_path", "fetch"]
 
 _CHUNK = 1 << 22
@@ -109,14 +111,6 @@ ASSETS: dict[str, Asset] = {
         ),
     )
 }
-
-
-def cache_dir() -> pathlib.Path:
-    """The cache root: ``$JAXCERT_CACHE``, ``$XDG_CACHE_HOME/jaxcert`` or ``~/.cache/jaxcert``."""
-    if os.environ.get("JAXCERT_CACHE"):
-        return pathlib.Path(os.environ["JAXCERT_CACHE"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
-    return pathlib.Path(base).expanduser() / "jaxcert"
 
 
 def _lookup(asset: Asset | str) -> Asset:

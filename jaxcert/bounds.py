@@ -20,7 +20,7 @@ from jax import lax
 from jax.scipy.special import xlogy
 
 from jaxcert import _numerics
-from jaxcert._checks import check_int as _check_int
+from jaxcert._validate import check_int as _check_int
 
 __all__ = [
     "greedy_margin_bounds",

@@ -22,7 +22,9 @@ import pyarrow as pa
 from flax import nnx
 from jax import lax
 
+from jaxcert import models
 from jaxcert import stats as stats_lib
+from jaxcert._validate import check_int
 from jaxcert.prompts import Prompt, encode_prompts
 from jaxcert.solver import certificates
 
@@ -55,10 +57,8 @@ class CertifyOptions:
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "chunk", "top"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.min_prompt_tokens < 0:
-            raise ValueError(f"min_prompt_tokens must be >= 0, got {self.min_prompt_tokens}")
+            check_int(name, getattr(self, name))
+        check_int("min_prompt_tokens", self.min_prompt_tokens, 0)
 
 
 def rule_column(rule) -> str:
@@ -69,8 +69,6 @@ def rule_column(rule) -> str:
 @functools.partial(jax.jit, static_argnums=(0, 5, 6, 7, 8), donate_argnums=(2,))
 def _decode_chunk(graphdef, state, cache, logits, active, rules, steps, top, eos):
     """``steps`` greedy steps; records statistics and certificates of each position."""
-    import models  # local: jaxcert's solver does not depend on the models package
-
     eos = jnp.asarray(eos, jnp.int32)
 
     def step(carry, _):
@@ -90,8 +88,6 @@ def _decode_chunk(graphdef, state, cache, logits, active, rules, steps, top, eos
 
 @functools.partial(jax.jit, static_argnums=(0,))
 def _prefill(graphdef, state, tokens, lengths, cache):
-    import models
-
     logits, cache = models.forward(graphdef, state, tokens, cache)
     last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
     return last, cache.commit(lengths)
@@ -216,8 +212,6 @@ def certify_prompts(
 
 
 def _new_cache(lm, batch: int, length: int):
-    import models
-
     return models.KVCache.create(lm.config, batch, length, dtype=lm.model.dtype)
 
 

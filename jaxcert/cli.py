@@ -113,8 +113,7 @@ def _decode(args) -> int:
     import pyarrow.parquet as pq
     from tqdm import tqdm
 
-    import models
-    from jaxcert import decoding, prompts
+    from jaxcert import decoding, models, prompts
     from jaxcert.decoding import report
 
     policy = decoding.parse_policy(args.policy)
@@ -314,8 +313,7 @@ def _certify(args) -> int:
     import pyarrow.parquet as pq
     from tqdm import tqdm
 
-    import models
-    from jaxcert import certify, prompts, report
+    from jaxcert import certify, models, prompts, report
     from jaxcert.rules import parse_rules
 
     rules = parse_rules(args.rules)

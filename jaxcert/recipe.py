@@ -103,8 +103,7 @@ def _decode_heldout(args, prompt_set, held, heads, results) -> None:
     """Adds the speculative decoder's acceptance length of each drafter to ``results``."""
     import jax.numpy as jnp
 
-    import models
-    from jaxcert import prompts, training
+    from jaxcert import models, prompts, training
 
     target = models.load(args.target, dtype=jnp.float32)
     if args.drafter is None:
@@ -127,8 +126,7 @@ def _decode_heldout(args, prompt_set, held, heads, results) -> None:
 def run(args) -> int:
     import jax.numpy as jnp
 
-    import models
-    from jaxcert import prompts, report, training
+    from jaxcert import models, prompts, report, training
     from jaxcert import rules as rules_lib
 
     if not 0 < args.heldout < 1:

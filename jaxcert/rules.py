@@ -17,11 +17,10 @@ Source: "When Is a Draft Accepted?" (2026), sections 2-3; spec sections 0 and 3.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax.numpy as jnp
 
-from jaxcert._checks import check_int
+from jaxcert._validate import check_float, check_int, check_probability
 
 __all__ = [
     "Rule",
@@ -81,14 +80,6 @@ class _RuleBase:
         return self.spec
 
 
-def _check_unit_interval(name: str, value: float, *, closed_right: bool = False) -> None:
-    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    ok = is_number and (0.0 < value <= 1.0 if closed_right else 0.0 < value < 1.0)
-    if not ok:
-        bound = "(0, 1]" if closed_right else "(0, 1)"
-        raise ValueError(f"{name} must be a finite number in {bound}, got {value!r}")
-
-
 @dataclasses.dataclass(frozen=True)
 class StrictGreedy(_RuleBase):
     """Strict greedy verification (spec rule 1): accept iff ``argmax q = x0``.
@@ -116,7 +107,7 @@ class Additive(_RuleBase):
     t: float
 
     def __post_init__(self):
-        _check_unit_interval("Additive.t", self.t, closed_right=True)
+        check_probability("Additive.t", self.t)
 
     def upper_threshold(self, p_max, entropy):
         del entropy
@@ -138,7 +129,7 @@ class Multiplicative(_RuleBase):
     alpha: float
 
     def __post_init__(self):
-        _check_unit_interval("Multiplicative.alpha", self.alpha)
+        check_probability("Multiplicative.alpha", self.alpha, closed_right=False)
 
     def upper_threshold(self, p_max, entropy):
         del entropy
@@ -186,10 +177,8 @@ class Typical(_RuleBase):
     delta: float = 0.3
 
     def __post_init__(self):
-        _check_unit_interval("Typical.eps", self.eps, closed_right=True)
-        is_number = isinstance(self.delta, (int, float)) and not isinstance(self.delta, bool)
-        if not (is_number and math.isfinite(self.delta) and self.delta > 0):
-            raise ValueError(f"Typical.delta must be a finite number > 0, got {self.delta!r}")
+        check_probability("Typical.eps", self.eps)
+        check_float("Typical.delta", self.delta, strict=True)
 
     @property
     def needs_entropy(self) -> bool:

@@ -34,7 +34,7 @@ from jax import lax
 
 from jaxcert import _numerics
 from jaxcert import rules as rules_lib
-from jaxcert._checks import check_int
+from jaxcert._validate import check_int
 
 __all__ = ["Certificate", "certificate", "certificates", "DEFAULT_TOP_K"]
 

@@ -177,7 +177,7 @@ def teacher_forced_states(lm, continuations: Continuations) -> np.ndarray:
     One prefill of prompt + continuation per prompt (one padded width, so one compile);
     row order is prompt index, then position.
     """
-    import models
+    from jaxcert import models
 
     graphdef, state = nnx.split(lm.model)
     lengths = [len(continuations.prompt_ids[i]) + len(g) for i, g in

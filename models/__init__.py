@@ -4,7 +4,7 @@ Example::
 
   from flax import nnx
   import jax
-  import models
+  from jaxcert import models
 
   lm = models.load("qwen2.5-coder-0.5b-instruct")
   graphdef, state = nnx.split(lm.model)
@@ -14,13 +14,13 @@ Example::
   cache = cache.commit(tokens.shape[1])
 """
 
-from models._load import load
-from models._weights import LoadedModel
-from models.cache import KVCache
-from models.config import ModelConfig
-from models.gguf import load_gguf
-from models.hf import load_hf
-from models.transformer import Transformer, forward, truncate
+from jaxcert.models._load import load
+from jaxcert.models._weights import LoadedModel
+from jaxcert.models.cache import KVCache
+from jaxcert.models.config import ModelConfig
+from jaxcert.models.gguf import load_gguf
+from jaxcert.models.hf import load_hf
+from jaxcert.models.transformer import Transformer, forward, truncate
 
 __all__ = [
     "KVCache",

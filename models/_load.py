@@ -6,10 +6,11 @@ import os
 import pathlib
 
 import jax.numpy as jnp
+from jaxcert.models._weights import LoadedModel
+from jaxcert.models.gguf import load_gguf
+from jaxcert.models.hf import load_hf
 
-from models._weights import LoadedModel
-from models.gguf import load_gguf
-from models.hf import load_hf
+from jaxcert import assets
 
 
 def load(name_or_path: str | os.PathLike, *, dtype=jnp.float32) -> LoadedModel:
@@ -34,14 +35,9 @@ def load(name_or_path: str | os.PathLike, *, dtype=jnp.float32) -> LoadedModel:
     if path.is_file():
         tried[1] = f"file {str(path)!r}: not a .gguf file"
     try:
-        from jaxcert import assets
-    except ImportError as e:
-        tried.append(f"asset name: jaxcert.assets unavailable ({e})")
+        fetched = assets.fetch(str(name_or_path))
+    except (assets.AssetError, OSError) as e:  # unknown name, download failure
+        tried.append(f"asset {str(name_or_path)!r}: {e}")
     else:
-        try:
-            fetched = assets.fetch(str(name_or_path))
-        except Exception as e:  # jaxcert.assets.AssetError: unknown name, download failure
-            tried.append(f"asset {str(name_or_path)!r}: {e}")
-        else:
-            return load_gguf(fetched, dtype=dtype)
+        return load_gguf(fetched, dtype=dtype)
     raise ValueError(f"Cannot load {str(name_or_path)!r}; tried: " + "; ".join(tried) + ".")

@@ -11,9 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-
-from models.config import ModelConfig
-from models.transformer import Transformer
+from jaxcert.models.config import ModelConfig
+from jaxcert.models.transformer import Transformer
 
 # Tensors some checkpoints carry that hold nothing the model needs.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

@@ -14,8 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 from jax.typing import ArrayLike
-
-from models.config import ModelConfig
+from jaxcert.models.config import ModelConfig
 
 
 @struct.dataclass

@@ -11,6 +11,8 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from jaxcert._validate import check_int
+
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 ROPE_LAYOUTS = ("half", "interleaved")
 
@@ -97,9 +99,7 @@ class ModelConfig:
             "num_kv_heads",
             "head_dim",
         ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}.")
+            check_int(name, getattr(self, name))
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}."

@@ -21,10 +21,11 @@ import gguf
 import jax.numpy as jnp
 import numpy as np
 import safetensors
+from jaxcert.models._tokenizer import tokenizer_from_gguf
+from jaxcert.models._weights import LoadedModel, hf_layout, model_from_tensors
+from jaxcert.models.config import ModelConfig
 
-from models._tokenizer import tokenizer_from_gguf
-from models._weights import LoadedModel, hf_layout, model_from_tensors
-from models.config import ModelConfig
+from jaxcert import _paths
 
 _CACHE_VERSION = "2"
 _GLOBAL_NAMES = {
@@ -89,9 +90,7 @@ def dequant_cache_path(path: str | os.PathLike, dtype, cache_dir=None) -> pathli
     key = f"{real}\0{st.st_size}\0{st.st_mtime_ns}\0{name}\0{_CACHE_VERSION}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     if cache_dir is None:
-        from jaxcert.assets import cache_dir as default_cache_dir  # one cache root for all
-
-        cache_dir = default_cache_dir()
+        cache_dir = _paths.cache_dir()
     root = pathlib.Path(cache_dir)
     return root / "dequant" / f"{pathlib.Path(real).stem}-{name}-{digest}.safetensors"
 
@@ -189,7 +188,7 @@ def load_gguf(
     Args:
       path: the `.gguf` file.
       dtype: parameter and compute dtype (and the cache file's dtype).
-      cache_dir: cache root; default `jaxcert.assets.cache_dir()`.
+      cache_dir: cache root; default `jaxcert._paths.cache_dir()`.
 
     Returns:
       A `LoadedModel` whose tokenizer is built from the file's metadata (no torch needed).

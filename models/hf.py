@@ -10,9 +10,8 @@ from collections.abc import Iterator, Mapping
 import jax.numpy as jnp
 import numpy as np
 import safetensors
-
-from models._weights import LoadedModel, model_from_tensors
-from models.config import ModelConfig
+from jaxcert.models._weights import LoadedModel, model_from_tensors
+from jaxcert.models.config import ModelConfig
 
 _SINGLE = "model.safetensors"
 _INDEX = "model.safetensors.index.json"

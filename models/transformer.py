@@ -21,9 +21,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax import lax
-
-from models.cache import KVCache
-from models.config import ModelConfig
+from jaxcert.models.cache import KVCache
+from jaxcert.models.config import ModelConfig
 
 _INIT = nnx.initializers.normal(0.02)
 _MASKED = -1e30  # finite, so a fully masked row gives uniform weights instead of NaN

@@ -30,8 +30,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-import models
-from jaxcert import decoding, prompts
+from jaxcert import decoding, models, prompts
 from jaxcert.decoding import report
 
 DEFAULT_POLICIES = "constant:4,heuristic,confidence:0.4,svip:0.3,cert"

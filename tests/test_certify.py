@@ -15,8 +15,7 @@ import tiny_lm
 from flax import nnx
 
 import jaxcert
-import models
-from jaxcert import certify, cli, prompts, report
+from jaxcert import certify, cli, models, prompts, report
 from jaxcert import rules as R
 
 RULES = (R.StrictGreedy(), R.Additive(0.3), R.Typical(), R.TreeCoverage(2),

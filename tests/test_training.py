@@ -8,8 +8,7 @@ import pytest
 import tiny_lm
 from flax import nnx
 
-import models
-from jaxcert import prompts, training
+from jaxcert import models, prompts, training
 from jaxcert import rules as R
 
 TEXTS = ["the cat sat on the mat.", "an otter", "he is in the water, a big one!", "a, b?"]

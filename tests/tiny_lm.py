@@ -9,9 +9,8 @@ import numpy as np
 import safetensors.numpy
 import tiny_models
 import transformers
-
-from models._weights import hf_layout
-from models.config import ModelConfig
+from jaxcert.models._weights import hf_layout
+from jaxcert.models.config import ModelConfig
 
 
 def save_tiny_checkpoint(

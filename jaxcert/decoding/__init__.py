@@ -2,7 +2,7 @@
 
 Example::
 
-  import models
+  from jaxcert import models
   from jaxcert import decoding
 
   target = models.load("qwen2.5-coder-1.5b-instruct")

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxcert._checks import check_int
+from jaxcert._validate import check_int
 from jaxcert.decoding import loop
 from jaxcert.decoding import policies as policies_lib
 from jaxcert.decoding.state import RoundStats

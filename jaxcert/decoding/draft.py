@@ -23,15 +23,10 @@ from jaxcert.decoding import policies as policies_lib
 from jaxcert.decoding import tree as tree_lib
 from jaxcert.decoding.state import DraftTree, PolicyState
 from jaxcert.decoding.verify import sampling_log_probs
-from models.cache import KVCache
+from jaxcert.models.cache import KVCache
+from jaxcert.models.transformer import forward as _forward
 
 __all__ = ["draft"]
-
-
-def _forward(graphdef, params, tokens, cache):
-    import models  # local: the decoding package imports without loading the models eagerly
-
-    return models.forward(graphdef, params, tokens, cache)
 
 
 def _repeat(cache: KVCache, m: int) -> KVCache:

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from jaxcert._checks import check_int
+from jaxcert._validate import check_float, check_int, check_probability
 from jaxcert.decoding import policies as policies_lib
 from jaxcert.decoding import stats as stats_lib
 from jaxcert.decoding import tree as tree_lib
@@ -37,7 +37,8 @@ from jaxcert.decoding.verify import (
     sample_tree,
     sampling_log_probs,
 )
-from models.cache import KVCache
+from jaxcert.models.cache import KVCache
+from jaxcert.models.transformer import forward as _forward
 
 __all__ = [
     "DecodeConfig",
@@ -53,12 +54,8 @@ _LEVEL_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
 
 def check_sampling(temperature: float, top_p: float) -> None:
     """Raises ``ValueError`` unless ``temperature`` is finite, ``>= 0``, and ``top_p`` in (0, 1]."""
-    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature)) or (
-        temperature < 0
-    ):
-        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-    if not (isinstance(top_p, (int, float)) and 0.0 < top_p <= 1.0):
-        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    check_float("temperature", temperature)
+    check_probability("top_p", top_p)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -164,12 +161,6 @@ class Sizes:
         up = lambda x: 16 * math.ceil(x / 16)  # noqa: E731
         base = prompt_width + max_new + d + 2
         return cls(sequence=up(base + w), target=up(base + n), drafter=up(base + w + d))
-
-
-def _forward(graph, params, tokens, cache, **kw):
-    import models
-
-    return models.forward(graph, params, tokens, cache, **kw)
 
 
 def _new_cache(graph, params, batch, slots) -> KVCache:

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxcert import _numerics
-from jaxcert._checks import check_int as _check_int
+from jaxcert._validate import check_int as _check_int
 from jaxcert.decoding.state import PolicyState
 
 __all__ = [

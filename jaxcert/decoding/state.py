@@ -19,7 +19,7 @@ from typing import ClassVar
 import jax
 from flax import struct
 
-from models.cache import KVCache
+from jaxcert.models.cache import KVCache
 
 __all__ = ["DraftTree", "PolicyState", "DecodeState", "NodeStats", "RoundStats"]
 

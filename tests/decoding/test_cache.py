@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jaxcert.models import KVCache, forward
 from tiny_decoding import MAX_NEW, PROMPTS, WIDTH
 
 from jaxcert import decoding
 from jaxcert.decoding import api, loop
-from models import KVCache, forward
 
 
 @functools.partial(jax.jit, static_argnames=("graph", "slots"))

@@ -10,8 +10,7 @@ pytestmark = pytest.mark.real
 
 @pytest.fixture(scope="module")
 def qwen():
-    import models
-    from jaxcert import assets, prompts
+    from jaxcert import assets, models, prompts
 
     if assets.cached_path("qwen2.5-coder-0.5b-instruct") is None:
         pytest.skip("qwen2.5-coder-0.5b-instruct is not cached (jaxcert fetch it)")
@@ -22,7 +21,7 @@ def qwen():
 
 def test_greedy_speculative_equals_target_on_a_real_vocabulary(qwen, monkeypatch):
     """151,936 logits (padding ids included), a self-speculative drafter, one chat prompt."""
-    import models
+    from jaxcert import models
     from jaxcert.decoding import api
 
     monkeypatch.setattr(api, "COMPILER_OPTIONS", {})  # optimised code for a real model

@@ -13,7 +13,7 @@ import tiny_models  # importable through tests/conftest.py
 def hf_case(tmp_path_factory):
     """`hf_case(name) -> (checkpoint folder, torch model, LoadedModel)`, built once per name."""
     pytest.importorskip("torch")
-    from models import load_hf
+    from jaxcert.models import load_hf
 
     built = {}
 
@@ -30,7 +30,7 @@ def hf_case(tmp_path_factory):
 @pytest.fixture(scope="session")
 def np_case(tmp_path_factory):
     """`np_case(name) -> (checkpoint folder, LoadedModel, HF tensors)` without torch."""
-    from models import load_hf
+    from jaxcert.models import load_hf
 
     built = {}
 

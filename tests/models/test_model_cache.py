@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 import tiny_models
 from flax import nnx
-
-from models import KVCache, forward
+from jaxcert.models import KVCache, forward
 
 CONFIG = tiny_models.tiny_config()
 S = 24

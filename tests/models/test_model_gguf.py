@@ -7,14 +7,13 @@ import sys
 import gguf
 import jax
 import jax.numpy as jnp
+import jaxcert.models.gguf as gguf_module
 import numpy as np
 import pytest
 import tiny_models
 from flax import nnx
-
-import models.gguf as gguf_module
-from models import KVCache, forward, load_gguf
-from models._weights import model_from_tensors
+from jaxcert.models import KVCache, forward, load_gguf
+from jaxcert.models._weights import model_from_tensors
 
 Q = gguf.GGMLQuantizationType
 STEP = jax.jit(forward, static_argnums=0)

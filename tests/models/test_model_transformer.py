@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 import tiny_models
 from flax import nnx
-
-from models import KVCache, Transformer, forward, truncate
-from models.transformer import apply_rope, rope_angles
+from jaxcert.models import KVCache, Transformer, forward, truncate
+from jaxcert.models.transformer import apply_rope, rope_angles
 
 CONFIG = tiny_models.tiny_config(architecture="llama", o_bias=True)
 STEP = jax.jit(forward, static_argnums=0)

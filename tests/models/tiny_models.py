@@ -9,10 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-
-from models._weights import hf_layout
-from models.config import ModelConfig
-from models.transformer import Transformer
+from jaxcert.models._weights import hf_layout
+from jaxcert.models.config import ModelConfig
+from jaxcert.models.transformer import Transformer
 
 
 def tiny_config(**overrides) -> ModelConfig:

@@ -1,0 +1,94 @@
+"""Argument checks: one home for every config object, public function and CLI type.
+
+A leaf module (it imports nothing from jaxcert), used by ``jaxcert`` and ``jaxcert.models``
+alike. Each check returns the value it accepted and raises ``ValueError`` naming the
+argument otherwise; :func:`argtype` turns a check into an ``argparse`` type, so the command
+line rejects what the library rejects, in the same words.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+
+__all__ = [
+    "argtype",
+    "check_float",
+    "check_int",
+    "check_probability",
+    "round_up",
+]
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_int(name: str, value, low: int = 1) -> int:
+    """Returns ``value`` if it is a Python ``int`` (not ``bool``) ``>= low``.
+
+    Raises:
+      ValueError: naming ``name``, otherwise.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    return value
+
+
+def check_float(name: str, value, *, low: float = 0.0, strict: bool = False) -> float:
+    """Returns ``value`` if it is a finite real number (not ``bool``) ``>= low``.
+
+    Args:
+      name: the argument's name, as the caller spells it.
+      value: the value to check.
+      low: the lower bound.
+      strict: require ``value > low`` instead of ``>= low``.
+
+    Raises:
+      ValueError: naming ``name``, otherwise.
+    """
+    ok = _is_number(value) and math.isfinite(value) and (value > low if strict else value >= low)
+    if not ok:
+        raise ValueError(
+            f"{name} must be a finite number {'>' if strict else '>='} {low:g}, got {value!r}"
+        )
+    return value
+
+
+def check_probability(name: str, value, *, closed_right: bool = True) -> float:
+    """Returns ``value`` if it is a number in ``(0, 1]`` (``(0, 1)`` if not ``closed_right``).
+
+    Raises:
+      ValueError: naming ``name``, otherwise.
+    """
+    ok = _is_number(value) and (0.0 < value <= 1.0 if closed_right else 0.0 < value < 1.0)
+    if not ok:
+        bound = "(0, 1]" if closed_right else "(0, 1)"
+        raise ValueError(f"{name} must be in {bound}, got {value!r}")
+    return value
+
+
+def round_up(n: int, multiple: int) -> int:
+    """The smallest multiple of ``multiple`` that is ``>= n`` (padded widths, cache sizes)."""
+    return -(-n // multiple) * multiple
+
+
+def argtype(check: Callable, parse: Callable = int, **kwargs) -> Callable[[str], object]:
+    """An ``argparse`` type: ``parse(text)``, then ``check("value", parsed, **kwargs)``.
+
+    Errors become ``argparse.ArgumentTypeError`` (argparse prefixes the option's name).
+    """
+
+    def convert(text: str):
+        try:
+            value = parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {parse.__name__} value: {text!r}") from None
+        try:
+            return check("value", value, **kwargs)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err).removeprefix("value ")) from None
+
+    convert.__name__ = f"{parse.__name__}"
+    return convert
