@@ -20,7 +20,7 @@ from jaxcert.decoding.api import (
     split_model,
     target_decode,
 )
-from jaxcert.decoding.loop import DecodeConfig
+from jaxcert.decoding.config import DecodeConfig
 from jaxcert.decoding.policies import (
     SVIP,
     Certified,

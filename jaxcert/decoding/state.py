@@ -82,8 +82,9 @@ class DecodeState:
       done: ``[B]`` bool, the row reached ``max_new_tokens`` or emitted an end token.
       drafter_start: ``[B]`` int32 first sequence index the drafter re-reads next round.
       target_cache: the target's cache (``B`` rows, ``n - 1`` committed per row).
-      drafter_cache: the drafter's cache (``B * M`` rows: one per tree branch).
-      policy: the policy's per-row state.
+      drafter_cache: the drafter's cache (``B * M`` rows: one per tree branch);
+        ``None`` in the target-only decoder.
+      policy: the policy's per-row state; ``None`` in the target-only decoder.
       key: PRNG key (used by sampling only).
       rounds: ``[B]`` int32 rounds each row took part in.
     """
@@ -96,8 +97,8 @@ class DecodeState:
     done: jax.Array  # [B]
     drafter_start: jax.Array  # [B]
     target_cache: KVCache
-    drafter_cache: KVCache
-    policy: PolicyState
+    drafter_cache: KVCache | None
+    policy: PolicyState | None
     key: jax.Array  # [] PRNG key
     rounds: jax.Array  # [B]
 

@@ -12,6 +12,7 @@ from tiny_decoding import MAX_NEW, PROMPTS, WIDTH
 
 from jaxcert import decoding
 from jaxcert.decoding import api, loop
+from jaxcert.decoding.config import Sizes
 
 
 @functools.partial(jax.jit, static_argnames=("graph", "slots"))
@@ -46,7 +47,7 @@ def test_no_stale_cache_entries_after_rejections(target, drafters, verify, kw):
     m = config.branching
     (t_graph, t_params), (d_graph, d_params) = nnx.split(target), nnx.split(drafter)
     prompt, lengths = api._pad_prompts(PROMPTS, WIDTH, 2)
-    sizes = loop.Sizes.for_prompts(WIDTH, config, MAX_NEW)
+    sizes = Sizes.for_prompts(WIDTH, config, MAX_NEW)
     policy = decoding.PolicyParams.from_policy(decoding.Constant(k=3))
     graphs = dict(t_graph=t_graph, d_graph=d_graph)
     args = (t_params, d_params, prompt, lengths, policy, jax.random.key(0))

@@ -1,0 +1,132 @@
+"""Static settings of the decoders: :class:`DecodeConfig` and the buffer :class:`Sizes`.
+
+Both are hashable and passed to the jitted functions of :mod:`~jaxcert.decoding.loop` as
+static arguments: one compilation per distinct config and shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxcert._validate import check_float, check_int, check_probability, round_up
+from jaxcert.decoding import policies as policies_lib
+from jaxcert.decoding import tree as tree_lib
+from jaxcert.decoding.verify import Verification, parse_verify
+
+__all__ = ["DecodeConfig", "Sizes", "check_sampling"]
+
+_LEVEL_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
+
+
+def check_sampling(temperature: float, top_p: float) -> None:
+    """Raises ``ValueError`` unless ``temperature`` is finite, ``>= 0``, and ``top_p`` in (0, 1]."""
+    check_float("temperature", temperature)
+    check_probability("top_p", top_p)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecodeConfig:
+    """Static settings of a decoder (one compilation per distinct config and shape).
+
+    Attributes:
+      verification: draft shape and rule (``rule=None``: speculative sampling), or its
+        spelling for :func:`~jaxcert.decoding.verify.parse_verify`.
+      max_new_tokens: output budget per row.
+      max_draft: deepest chain (``K_max``); trees use their own depth.
+      temperature: ``0`` for deterministic rules, ``> 0`` for sampling.
+      top_p: nucleus truncation for sampling (``1.0``: none).
+      eos_ids: tokens that end a row (kept in its output).
+      collect_stats: compute certificates for every drafted node (KL and entropies are always
+        computed).
+      buckets: verification widths in drafted nodes (sorted; the last must be the node
+        count); ``None`` picks a default.
+      rounds_per_call: rounds per jitted call (the host sees progress between calls).
+    """
+
+    verification: Verification = Verification()
+    max_new_tokens: int = 128
+    max_draft: int = policies_lib.DEFAULT_K_MAX
+    temperature: float = 0.0
+    top_p: float = 1.0
+    eos_ids: tuple[int, ...] = ()
+    collect_stats: bool = True
+    buckets: tuple[int, ...] | None = None
+    rounds_per_call: int = 8
+
+    def __post_init__(self):
+        if isinstance(self.verification, str):  # e.g. "tree:2x4+greedy"
+            object.__setattr__(self, "verification", parse_verify(self.verification))
+        if not isinstance(self.verification, Verification):
+            raise ValueError(f"verification must be a Verification, got {self.verification!r}")
+        object.__setattr__(self, "eos_ids", tuple(int(i) for i in self.eos_ids))
+        for name in ("max_new_tokens", "max_draft", "rounds_per_call"):
+            check_int(name, getattr(self, name))
+        check_sampling(self.temperature, self.top_p)
+        if self.verification.sampling != (self.temperature > 0):
+            raise ValueError(
+                f"temperature {self.temperature} does not fit verification "
+                f"{self.verification.spec!r}: speculative sampling ('sample', "
+                "'tree:MxD+sample') needs temperature > 0; deterministic rules need 0"
+            )
+        if self.buckets is not None:
+            b = tuple(self.buckets)
+            if not b or list(b) != sorted(set(b)) or b[0] < 1 or b[-1] != self.num_nodes:
+                raise ValueError(
+                    f"buckets must increase from >= 1 to the node count {self.num_nodes}, got {b}"
+                )
+
+    @property
+    def tree(self) -> tree_lib.TreeShape:
+        return self.verification.tree
+
+    @property
+    def branching(self) -> int:
+        """``M``: drafter rows per batch row."""
+        return 1 if isinstance(self.tree, tree_lib.Chain) else self.tree.m
+
+    @property
+    def depth(self) -> int:
+        """``D``: the deepest drafted node."""
+        return self.max_draft if isinstance(self.tree, tree_lib.Chain) else self.tree.depth
+
+    @property
+    def num_nodes(self) -> int:
+        """``N``: node slots per round."""
+        if isinstance(self.tree, tree_lib.DynamicTree):
+            return self.tree.nodes
+        return self.branching * self.depth
+
+    @property
+    def reread(self) -> int:
+        """``W``: tokens the drafter re-reads at the start of a round."""
+        return 2 if isinstance(self.tree, tree_lib.Chain) else self.depth + 1
+
+    def verify_buckets(self) -> tuple[int, ...]:
+        if self.buckets is not None:
+            return tuple(self.buckets)
+        if isinstance(self.tree, tree_lib.DynamicTree):
+            n = self.num_nodes
+            return tuple(sorted({max(1, n // 4), max(1, n // 2), n}))
+        levels = [x for x in _LEVEL_BUCKETS if x < self.depth] + [self.depth]
+        return tuple(self.branching * x for x in levels)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """Static buffer sizes: sequence slots, target cache slots, drafter cache slots."""
+
+    sequence: int
+    target: int
+    drafter: int
+
+    @classmethod
+    def for_prompts(cls, prompt_width: int, config: DecodeConfig | None, max_new: int) -> Sizes:
+        d = config.depth if config else 0
+        n = config.num_nodes if config else 1
+        w = config.reread if config else 1
+        base = prompt_width + max_new + d + 2
+        return cls(
+            sequence=round_up(base + w, 16),
+            target=round_up(base + n, 16),
+            drafter=round_up(base + w + d, 16),
+        )

@@ -1,0 +1,175 @@
+"""Held-out evaluation: certified fractions, greedy agreement and acceptance length, offline
+(exact, from cached features) and in the speculative decoder."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxcert import _numerics, losses
+from jaxcert import rules as rules_lib
+from jaxcert._validate import round_up
+from jaxcert.solver import certificates
+from jaxcert.training.features import FeatureSet
+from jaxcert.training.heads import DraftHead, project
+
+if TYPE_CHECKING:
+    from jaxcert.models import LoadedModel
+
+__all__ = ["chain_acceptance_length", "decoder_acceptance", "evaluate"]
+
+
+def chain_acceptance_length(match: np.ndarray, draft_length: int) -> tuple[int, int]:
+    """Exact greedy chain decoding on a sequence, offline.
+
+    With greedy verification a drafted token is accepted iff it equals the target's
+    greedy token, and while drafts are accepted the drafter reads the target's own
+    greedy prefix, so its proposals are its argmax at teacher-forced positions.
+
+    Args:
+      match: ``[n]`` bool, drafter argmax == target greedy token at each position.
+      draft_length: ``K``, drafted tokens per round (constant policy).
+
+    Returns:
+      ``(tokens, rounds)``: tokens emitted (accepted drafts plus one target token per
+      round) and verification rounds to produce the ``n`` positions.
+    """
+    n, t, rounds = len(match), 0, 0
+    while t < n:
+        run = 0
+        while run < draft_length and t + run < n and match[t + run]:
+            run += 1
+        rounds += 1
+        t += run + 1
+    return n, rounds
+
+
+def evaluate(
+    head: DraftHead | None,
+    data: FeatureSet,
+    target_model: nnx.Module,
+    drafter_model: nnx.Module,
+    *,
+    rules: Sequence[rules_lib.Rule] = (rules_lib.StrictGreedy(), rules_lib.TreeCoverage(4)),
+    draft_length: int = 5,
+    chunk: int = 256,
+) -> dict[str, float]:
+    """Held-out metrics of a head (``None``: the plain drafter).
+
+    Returns:
+      ``mean_kl`` (nats), ``certified[<rule>]`` (fraction of positions with
+      KL(p||q) < C_p), ``agreement`` (drafter argmax == target greedy token),
+      ``top{m}_coverage`` (target token in the drafter's top-m, for tree rules) and
+      ``acceptance_length`` (tokens per round of exact offline greedy chain decoding
+      with ``draft_length`` drafted tokens per round).
+    """
+    d_graph, d_state = nnx.split(drafter_model)
+    t_graph, t_state = nnx.split(target_model)
+    h_graph, h_state = nnx.split(head) if head is not None else (None, None)
+    rules = tuple(rules)
+    tree_sizes = sorted({r.list_size for r in rules if r.list_size > 1})
+    k = max(tree_sizes + [1])
+
+    # Weights are arguments, not closed-over constants: they are gigabytes.
+    @functools.partial(jax.jit, static_argnames=("d_graph", "t_graph", "h_graph"))
+    def metrics(d_graph, d_state, t_graph, t_state, h_graph, h_state, h_q, h_p):
+        p_logits = project(t_graph, t_state, h_p)
+        q_in = h_q if h_graph is None else nnx.merge(h_graph, h_state)(h_q)
+        q_logits = project(d_graph, d_state, q_in)
+        kl = losses.kl_divergence(p_logits, q_logits)
+        certs = certificates(p_logits, rules)
+        certified = jnp.stack([kl < c.value for c in certs], axis=-1)
+        return kl, certified, _numerics.top_k(q_logits, k)[1]
+
+    kls, certs, tops = [], [], []
+    for start in range(0, len(data), chunk):
+        sl = slice(start, start + chunk)
+        kl, certified, q_top = metrics(
+            d_graph, d_state, t_graph, t_state, h_graph, h_state,
+            jnp.asarray(data.drafter_hidden[sl]), jnp.asarray(data.target_hidden[sl]),
+        )  # fmt: skip
+        kls.append(np.asarray(kl))
+        certs.append(np.asarray(certified))
+        tops.append(np.asarray(q_top))
+    kl, certified, top = np.concatenate(kls), np.concatenate(certs), np.concatenate(tops)
+    match = top[:, 0] == data.token
+    tokens = rounds = 0
+    for prompt in np.unique(data.prompt):
+        order = np.argsort(data.position[data.prompt == prompt])
+        n, r = chain_acceptance_length(match[data.prompt == prompt][order], draft_length)
+        tokens, rounds = tokens + n, rounds + r
+    out = {"positions": len(data), "mean_kl": float(kl.mean())}
+    for i, rule in enumerate(rules):
+        out[f"certified[{rule.spec}]"] = float(certified[:, i].mean())
+    out["agreement"] = float(match.mean())
+    for m in tree_sizes:
+        out[f"top{m}_coverage"] = float(np.mean(np.any(top[:, :m] == data.token[:, None], 1)))
+    out["acceptance_length"] = tokens / max(rounds, 1)
+    return out
+
+
+def decoder_acceptance(
+    target: LoadedModel | nnx.Module,
+    drafter: LoadedModel | nnx.Module,
+    prompt_ids: Sequence[Sequence[int]],
+    *,
+    draft_length: int = 5,
+    max_new_tokens: int = 64,
+    eos_ids: Sequence[int] = (),
+    batch_size: int = 4,
+) -> dict[str, float]:
+    """Acceptance of a drafter in the speculative decoder (greedy chain, constant ``K``).
+
+    Args:
+      target: the target (``models.LoadedModel`` or ``nnx.Module``).
+      drafter: the drafter, e.g. a :class:`~jaxcert.training.HeadedDrafter` (same
+        vocabulary).
+      prompt_ids: token ids of each prompt (chat template applied), each of length >= 2.
+      draft_length: ``K``, drafted tokens per round (``constant:K`` policy).
+      max_new_tokens: output tokens per prompt.
+      eos_ids: tokens that end a row.
+      batch_size: prompts decoded together (one compilation for all batches).
+
+    Returns:
+      ``decoder_acceptance_length``: mean tokens per round (accepted drafts plus the
+      target's token; the quantity the offline ``acceptance_length`` computes exactly),
+      ``decoder_accepted_per_round``, ``decoder_rounds`` and ``decoder_tokens``.
+
+    Raises:
+      ValueError: mismatched vocabularies or prompts shorter than 2 tokens.
+    """
+    from jaxcert import decoding
+
+    config = decoding.DecodeConfig(
+        verification=decoding.parse_verify("greedy"),
+        max_new_tokens=max_new_tokens,
+        max_draft=draft_length,
+        eos_ids=tuple(eos_ids),
+        collect_stats=False,
+    )
+    policy = decoding.Constant(k=draft_length)
+    width = round_up(max(len(p) for p in prompt_ids), 16)
+    tokens = rounds = accepted = 0
+    for start in range(0, len(prompt_ids), batch_size):
+        batch = [list(p) for p in prompt_ids[start : start + batch_size]]
+        batch += [batch[-1]] * (batch_size - len(batch))  # same shape for every batch
+        real = min(batch_size, len(prompt_ids) - start)
+        out = decoding.speculative_decode(
+            target, drafter, batch, policy=policy, config=config, prompt_width=width
+        )
+        active = np.asarray(out.stats.active)[:, :real]
+        tokens += int(np.asarray(out.stats.emitted)[:, :real][active].sum())
+        accepted += int(np.asarray(out.stats.accepted)[:, :real][active].sum())
+        rounds += int(active.sum())
+    return {
+        "decoder_acceptance_length": tokens / max(rounds, 1),
+        "decoder_accepted_per_round": accepted / max(rounds, 1),
+        "decoder_rounds": rounds,
+        "decoder_tokens": tokens,
+    }
