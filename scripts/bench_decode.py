@@ -31,7 +31,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from jaxcert import decoding, models, prompts
-from jaxcert.decoding import report
+from jaxcert._validate import round_up
+from jaxcert.decoding import run_report
 
 DEFAULT_POLICIES = "constant:4,heuristic,confidence:0.4,svip:0.3,cert"
 
@@ -111,7 +112,7 @@ class _Tally:
         merged = None
         if self.stats:
             merged = jax.tree.map(lambda *xs: np.concatenate(xs, axis=0), *self.stats)
-        return report.summarize(merged, self.tokens, self.decode_s)
+        return run_report.summarize_run(merged, self.tokens, self.decode_s)
 
 
 def main(argv=None) -> int:
@@ -128,7 +129,7 @@ def main(argv=None) -> int:
     prompt_set = prompts.load_prompts(args.prompts)
     prompt_set = [prompt_set[int(i)] for i in args.prompt_indices.split(",")]
     encoded = prompts.encode_prompts(target.tokenizer, prompt_set)
-    width = 16 * -(-max(len(e) for e in encoded) // 16)
+    width = round_up(max(len(e) for e in encoded), 16)
     log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
     log(f"[bench] loaded in {load_s:.0f} s; {len(encoded)} prompts ({[len(e) for e in encoded]} "
         f"tokens); {len(shapes)} shapes x {len(policies)} policies x {temperatures}")  # fmt: skip
@@ -157,7 +158,7 @@ def main(argv=None) -> int:
                     tally = results.setdefault((temperature, shape, policy.spec), _Tally())
                     tally.add(out, first.tokens[0] if temperature == 0 else None)
                     if args.nodes is not None:
-                        table = report.node_table(out.stats, [prompt_set[i].id])
+                        table = run_report.node_table(out.stats, [prompt_set[i].id])
                         extra = {"temperature": temperature, "shape": shape,
                                  "policy": policy.spec}  # fmt: skip
                         for name, value in extra.items():

@@ -15,7 +15,7 @@ import tiny_lm
 from flax import nnx
 
 import jaxcert
-from jaxcert import certify, cli, models, prompts, report
+from jaxcert import certify, certify_report, cli, models, prompts
 from jaxcert import rules as R
 
 RULES = (R.StrictGreedy(), R.Additive(0.3), R.Typical(), R.TreeCoverage(2),
@@ -177,15 +177,15 @@ def test_summary_handles_infinite_certificates_and_runs():
         "position": [0, 1, 2, 0, 1],
         "cert": [0.5, math.inf, 0.01, 0.2, 0.3],
     })  # fmt: skip
-    (row,) = report.summarize(table, ["cert"])
+    (row,) = certify_report.summarize_positions(table, ["cert"])
     assert row["inf_share"] == pytest.approx(0.2)
     assert row["mean"] == pytest.approx((0.5 + 0.01 + 0.2 + 0.3) / 4)
     assert row["median"] == pytest.approx(0.3)
-    (runs,) = report.run_lengths(table, ["cert"], budgets=(0.1, 0.25))
+    (runs,) = certify_report.run_lengths(table, ["cert"], budgets=(0.1, 0.25))
     # eps=0.1: a -> [2, 1, 0], b -> [2, 1]; eps=0.25: a -> [2, 1, 0], b -> [1, 1]... b: 0.2<0.25
     assert runs["eps=0.1"] == pytest.approx((2 + 1 + 0 + 2 + 1) / 5)
     assert runs["eps=0.25"] == pytest.approx((2 + 1 + 0 + 0 + 1) / 5)
-    assert "| cert |" in report.markdown_table([row])
+    assert "| cert |" in certify_report.markdown_table([row])
 
 
 def test_distribution_stats_by_hand():

@@ -22,8 +22,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from jaxcert.decoding import node_stats as stats_lib
 from jaxcert.decoding import policies as policies_lib
-from jaxcert.decoding import stats as stats_lib
 from jaxcert.decoding import tree as tree_lib
 from jaxcert.decoding.config import DecodeConfig, Sizes
 from jaxcert.decoding.config import check_sampling as check_sampling  # re-export (api)

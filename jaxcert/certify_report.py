@@ -11,12 +11,12 @@ import pyarrow as pa
 
 from jaxcert import bounds
 
-__all__ = ["summarize", "run_lengths", "markdown_table", "plot_report"]
+__all__ = ["summarize_positions", "run_lengths", "markdown_table", "plot_report"]
 
 RUN_BUDGETS = (0.01, 0.05, 0.1, 0.3)
 
 
-def summarize(table: pa.Table, columns: Sequence[str]) -> list[dict]:
+def summarize_positions(table: pa.Table, columns: Sequence[str]) -> list[dict]:
     """Mean, median and 5th percentile of each column (the seed paper's section 4 table).
 
     ``+inf`` values (rule cannot reject) count as larger than everything in the median and
@@ -106,8 +106,12 @@ def plot_report(table: pa.Table, rule_columns: Sequence[str], out_dir: pathlib.P
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name in rule_columns:
         v = np.sort(np.asarray(table.column(name).to_numpy(zero_copy_only=False), np.float64))
-        ax.step(np.where(np.isinf(v), np.nan, v), np.arange(1, v.size + 1) / v.size,
-                where="post", label=name.removeprefix("cert_"))  # fmt: skip
+        ax.step(
+            np.where(np.isinf(v), np.nan, v),
+            np.arange(1, v.size + 1) / v.size,
+            where="post",
+            label=name.removeprefix("cert_"),
+        )
     ax.set_xscale("log")
     ax.set_xlabel("certificate C_p (nats, log scale; +inf not drawn)")
     ax.set_ylabel("fraction of positions <= x")
@@ -124,8 +128,13 @@ def plot_report(table: pa.Table, rule_columns: Sequence[str], out_dir: pathlib.P
         v = np.asarray(table.column(name).to_numpy(zero_copy_only=False), np.float64)
         ax.scatter(margin, v, s=3, alpha=0.4, label=name.removeprefix("cert_"))
     grid = np.geomspace(max(float(np.min(margin[margin > 0], initial=1e-6)), 1e-6), 1.0, 200)
-    ax.plot(grid, np.asarray(bounds.greedy_margin_bounds(grid, 2)[0]), "k--", lw=1,
-            label="greedy lower bound phi(gamma)")  # fmt: skip
+    ax.plot(
+        grid,
+        np.asarray(bounds.greedy_margin_bounds(grid, 2)[0]),
+        "k--",
+        lw=1,
+        label="greedy lower bound phi(gamma)",
+    )
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("target margin gamma = p(x0) - p(x2)")

@@ -32,36 +32,64 @@ def add_parser(sub) -> None:
         "acceptance length (offline, and in the speculative decoder).",
     )
     p.add_argument("--target", default="qwen2.5-coder-0.5b-instruct")
-    p.add_argument("--exit-layer", type=positive, default=6,
-                   help="self-speculative drafter: the target's first N layers + the head "
-                   "(default 6); ignored with --drafter")  # fmt: skip
-    p.add_argument("--drafter", default=None,
-                   help="a separate drafter model instead (asset, folder or .gguf); the head "
-                   "then sits on its final hidden states")  # fmt: skip
+    p.add_argument(
+        "--exit-layer",
+        type=positive,
+        default=6,
+        help="self-speculative drafter: the target's first N layers + the head "
+        "(default 6); ignored with --drafter",
+    )
+    p.add_argument(
+        "--drafter",
+        default=None,
+        help="a separate drafter model instead (asset, folder or .gguf); the head "
+        "then sits on its final hidden states",
+    )
     p.add_argument("--prompts", default="mtbench")
     p.add_argument("--max-prompts", type=positive, default=80)
-    p.add_argument("--heldout", type=unit_float, default=0.25,
-                   help="fraction of prompts held out for evaluation (default 0.25)")  # fmt: skip
-    p.add_argument("--continuation", type=positive, default=128,
-                   help="greedy tokens of the target per prompt (default 128)")  # fmt: skip
+    p.add_argument(
+        "--heldout",
+        type=unit_float,
+        default=0.25,
+        help="fraction of prompts held out for evaluation (default 0.25)",
+    )
+    p.add_argument(
+        "--continuation",
+        type=positive,
+        default=128,
+        help="greedy tokens of the target per prompt (default 128)",
+    )
     p.add_argument("--train-steps", type=positive, default=150)
     p.add_argument("--batch-size", type=positive, default=64, help="positions per optimiser step")
     p.add_argument("--learning-rate", type=positive_float, default=1e-3)
     p.add_argument("--width", type=positive, default=1024, help="hidden width of the head")
-    p.add_argument("--weight", type=non_negative_float, default=1.0,
-                   help="lambda of the violation term")  # fmt: skip
-    p.add_argument("--margin", type=non_negative_float, default=0.0,
-                   help="nats of slack in the hinge")  # fmt: skip
-    p.add_argument("--draft-length", type=positive, default=5,
-                   help="K of the chain acceptance length, offline and in the decoder "
-                   "(default 5)")  # fmt: skip
-    p.add_argument("--decode-tokens", type=non_negative, default=64,
-                   help="new tokens per held-out prompt in the speculative decoder "
-                   "(greedy chain, constant K) with each trained drafter; 0 skips it "
-                   "(default 64)")  # fmt: skip
+    p.add_argument(
+        "--weight", type=non_negative_float, default=1.0, help="lambda of the violation term"
+    )
+    p.add_argument(
+        "--margin", type=non_negative_float, default=0.0, help="nats of slack in the hinge"
+    )
+    p.add_argument(
+        "--draft-length",
+        type=positive,
+        default=5,
+        help="K of the chain acceptance length, offline and in the decoder (default 5)",
+    )
+    p.add_argument(
+        "--decode-tokens",
+        type=non_negative,
+        default=64,
+        help="new tokens per held-out prompt in the speculative decoder "
+        "(greedy chain, constant K) with each trained drafter; 0 skips it "
+        "(default 64)",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--features", type=pathlib.Path, default=None,
-                   help="reuse features saved by an earlier run (features.npz)")  # fmt: skip
+    p.add_argument(
+        "--features",
+        type=pathlib.Path,
+        default=None,
+        help="reuse features saved by an earlier run (features.npz)",
+    )
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("jaxcert-out/train-drafter"))
     p.set_defaults(func=run)
 
@@ -115,9 +143,13 @@ def _decode_heldout(args, prompt_set, held, heads, results) -> None:
     for i, (result, head) in enumerate(zip(results, heads, strict=True)):
         drafter = base if head is None else training.HeadedDrafter(base, head)
         measured = training.decoder_acceptance(
-            target, drafter, encoded, draft_length=args.draft_length,
-            max_new_tokens=args.decode_tokens, eos_ids=target.eos_ids,
-        )  # fmt: skip
+            target,
+            drafter,
+            encoded,
+            draft_length=args.draft_length,
+            max_new_tokens=args.decode_tokens,
+            eos_ids=target.eos_ids,
+        )
         result["decoder_acceptance_length"] = measured["decoder_acceptance_length"]
         update(i + 1, len(heads))
     bar.close()
@@ -126,7 +158,7 @@ def _decode_heldout(args, prompt_set, held, heads, results) -> None:
 def run(args) -> int:
     import jax.numpy as jnp
 
-    from jaxcert import models, prompts, report, training
+    from jaxcert import certify_report, models, prompts, training
     from jaxcert import rules as rules_lib
 
     if not 0 < args.heldout < 1:
@@ -172,9 +204,13 @@ def run(args) -> int:
         features = training.feature_set(
             conts, target_hidden, training.teacher_forced_states(drafter, conts)
         )
-        np.savez(out / "features.npz", **{k: getattr(features, k) for k in
-                                          ("drafter_hidden", "target_hidden", "prompt",
-                                           "position", "token")})  # fmt: skip
+        np.savez(
+            out / "features.npz",
+            **{
+                k: getattr(features, k)
+                for k in ("drafter_hidden", "target_hidden", "prompt", "position", "token")
+            },
+        )
     drafter_head = training.Projection(drafter.model)
     del drafter
     gc.collect()
@@ -188,12 +224,19 @@ def run(args) -> int:
             f"{len(prompt_ids)} prompt(s) with positions: need at least 2 to hold some out "
             "(raise --max-prompts)"
         )
-    print(f"[jaxcert] features: {len(train)} train / {len(test)} held-out positions "
-          f"({len(prompt_ids) - len(held)} / {len(held)} prompts)", file=sys.stderr)  # fmt: skip
+    print(
+        f"[jaxcert] features: {len(train)} train / {len(test)} held-out positions "
+        f"({len(prompt_ids) - len(held)} / {len(held)} prompts)",
+        file=sys.stderr,
+    )
     rules = (rules_lib.StrictGreedy(), rules_lib.TreeCoverage(4))
     kw = dict(rules=rules, draft_length=args.draft_length)
-    results = [{"drafter": "untrained (plain drafter)",
-                **training.evaluate(None, test, target_head, drafter_head, **kw)}]  # fmt: skip
+    results = [
+        {
+            "drafter": "untrained (plain drafter)",
+            **training.evaluate(None, test, target_head, drafter_head, **kw),
+        }
+    ]
     objectives = (
         training.Objective("(a) KL"),
         training.Objective(
@@ -201,23 +244,30 @@ def run(args) -> int:
             rules_lib.StrictGreedy(),
             weight=args.weight,
             margin=args.margin,
-        ),  # fmt: skip
+        ),
         training.Objective(
             "(c) KL + tree:4 violation",
             rules_lib.TreeCoverage(4),
             weight=args.weight,
             margin=args.margin,
-        ),  # fmt: skip
+        ),
     )
     train_logits = training.target_logits(train, target_head)  # once, for every objective
     histories, heads = {}, [None]
     for objective in objectives:
         bar, update = _bar(objective.name)
         head, history = training.train_head(
-            objective, train, train_logits, drafter_head, steps=args.train_steps,
-            batch_size=args.batch_size, learning_rate=args.learning_rate, width=args.width,
-            seed=args.seed, progress=update,
-        )  # fmt: skip
+            objective,
+            train,
+            train_logits,
+            drafter_head,
+            steps=args.train_steps,
+            batch_size=args.batch_size,
+            learning_rate=args.learning_rate,
+            width=args.width,
+            seed=args.seed,
+            progress=update,
+        )
         bar.close()
         histories[objective.name] = history
         heads.append(head)
@@ -226,10 +276,15 @@ def run(args) -> int:
         print(f"[jaxcert] {objective.name}: {result}", file=sys.stderr)
 
     def save():  # after training, and again with the decoder's figures
-        table = report.markdown_table(results, digits=4)
+        table = certify_report.markdown_table(results, digits=4)
         seconds = round(time.perf_counter() - started, 1)
-        meta = {"command": " ".join(sys.argv), "args": vars(args), "results": results,
-                "histories": histories, "seconds": seconds}  # fmt: skip
+        meta = {
+            "command": " ".join(sys.argv),
+            "args": vars(args),
+            "results": results,
+            "histories": histories,
+            "seconds": seconds,
+        }
         (out / "results.json").write_text(json.dumps(meta, indent=2, default=str))
         (out / "results.md").write_text(table + "\n")
         return table

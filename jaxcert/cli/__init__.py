@@ -1,0 +1,46 @@
+"""The ``jaxcert`` command line: ``certify``, ``decode``, ``fetch`` and ``train-drafter``.
+
+One module per command (:mod:`jaxcert.cli.certify`, :mod:`jaxcert.cli.decode`,
+:mod:`jaxcert.cli.fetch`, :mod:`jaxcert.cli.train_drafter`), each with ``add_parser(sub)``
+and ``run(args)``; this module builds the parser and reports the commands' errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ["main", "DEFAULT_RULES", "DEFAULT_TARGET", "DEFAULT_DECODE_TARGET", "DEFAULT_DRAFTER"]
+
+DEFAULT_TARGET = "qwen2.5-coder-0.5b-instruct"
+DEFAULT_DECODE_TARGET = "qwen2.5-coder-1.5b-instruct"
+DEFAULT_DRAFTER = "qwen2.5-coder-0.5b-instruct"
+DEFAULT_RULES = "greedy,additive:0.3,multiplicative:0.1,typical,topk:2,tree:2,tree:4,tree:8"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    # The command modules read the defaults above: imported once this module is complete.
+    from jaxcert.cli import certify, decode, fetch, train_drafter
+
+    parser = argparse.ArgumentParser(
+        prog="jaxcert",
+        description="Exact acceptance certificates, speculative decoding and certificate "
+        "losses in JAX.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    for command in (certify, decode, fetch, train_drafter):
+        command.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``jaxcert`` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from jaxcert.assets import AssetError
+
+    try:
+        return args.func(args)
+    except (ValueError, OSError, AssetError) as err:  # OSError: unwritable --out, ...
+        print(f"jaxcert {args.command}: error: {err}", file=sys.stderr)
+        return 2

@@ -1,0 +1,269 @@
+"""Host-side tables and summaries of decoding runs (numpy / pyarrow, no device work).
+
+The ``jaxcert decode`` report: :func:`summarize_runs` merges the batches of a run and
+summarizes them, :func:`markdown_summary` renders that summary, :func:`write_tables` and
+:func:`write_outputs` write ``rounds.parquet``, ``nodes.parquet`` and ``outputs.jsonl``.
+
+Shapes are ``jaxcert.decoding``'s: ``R`` rounds, ``B`` batch rows, ``N`` drafted nodes.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from collections.abc import Callable, Mapping, Sequence
+
+import jax
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from jaxcert.decoding.state import RoundStats
+
+__all__ = [
+    "round_table",
+    "node_table",
+    "summarize_run",
+    "summarize_runs",
+    "acceptance_by_depth",
+    "pad_batch",
+    "markdown_summary",
+    "write_tables",
+    "write_outputs",
+]
+
+
+def round_table(stats: RoundStats, prompt_ids: Sequence[str], *, start_round: int = 0) -> pa.Table:
+    """One row per (round, batch row) that took part: drafted, depth, accepted, emitted."""
+    r, b = np.nonzero(stats.active)
+    return pa.table(
+        {
+            "prompt_id": [prompt_ids[i] for i in b],
+            "round": (r + start_round).astype(np.int32),
+            "drafted": stats.drafted[r, b],
+            "depth": stats.depth[r, b],
+            "accepted": stats.accepted[r, b],
+            "emitted": stats.emitted[r, b],
+        }
+    )
+
+
+def node_table(stats: RoundStats, prompt_ids: Sequence[str], *, start_round: int = 0) -> pa.Table:
+    """One row per drafted node: its depth, rank, verdicts, KL, certificates and entropy."""
+    ns = stats.nodes
+    r, b, i = np.nonzero(ns.valid)
+    kl, cert = ns.kl[r, b, i], ns.cert[r, b, i]
+    return pa.table(
+        {
+            "prompt_id": [prompt_ids[x] for x in b],
+            "round": (r + start_round).astype(np.int32),
+            "node": i.astype(np.int32),
+            "depth": ns.depth[r, b, i],
+            "rank": ns.rank[r, b, i],
+            "passes": ns.passes[r, b, i],
+            "accepted": ns.accepted[r, b, i],
+            "reached": ns.reached[r, b, i],
+            "kl": kl,
+            "cert": cert,
+            "certified": kl < cert,
+            "cert_list": ns.cert_list[r, b, i],
+            "covered": ns.covered[r, b, i],
+            "entropy": ns.entropy[r, b, i],
+            "q_top": ns.q_top[r, b, i],
+            "q_cert": ns.q_cert[r, b, i],
+        }
+    )
+
+
+def acceptance_by_depth(stats: RoundStats, max_depth: int = 8) -> list[float]:
+    """Per-position acceptance rate: P(depth-d path accepted | depth d-1 accepted, d drafted).
+
+    For trees: a depth counts as accepted when the accepted path reaches it.
+    """
+    active = stats.active
+    drafted, accepted = stats.depth[active], stats.accepted[active]
+    rates = []
+    for d in range(1, max_depth + 1):
+        reached = (accepted >= d - 1) & (drafted >= d)
+        rates.append(float(np.mean(accepted[reached] >= d)) if reached.any() else float("nan"))
+    return rates
+
+
+def summarize_run(stats: RoundStats | None, num_tokens: int, decode_s: float) -> dict:
+    """Throughput and acceptance summary of one run (``stats=None``: target-only).
+
+    ``stats`` holds numpy ``[R, B]`` round fields and ``[R, B, N]`` node fields.
+    """
+    out = {"tokens": int(num_tokens), "decode_s": round(decode_s, 3)}
+    out["tokens_per_s"] = round(num_tokens / decode_s, 3) if decode_s > 0 else float("nan")
+    if stats is None or not np.any(stats.active):
+        return out
+    a = stats.active
+    ns = stats.nodes
+    valid = ns.valid
+    first = valid & (ns.rank == 0)
+    with np.errstate(invalid="ignore"):
+        certified = ns.kl < ns.cert
+    out |= {
+        "rounds": int(a.sum()),
+        "mean_drafted": round(float(stats.drafted[a].mean()), 3),
+        "mean_depth": round(float(stats.depth[a].mean()), 3),
+        "mean_accepted": round(float(stats.accepted[a].mean()), 3),
+        "tokens_per_round": round(float(stats.emitted[a].mean()), 3),
+        "acceptance_rate": round(float(stats.accepted[a].sum() / max(stats.depth[a].sum(), 1)), 4),
+        "acceptance_by_depth": [  # None where no round drafted that deep (JSON has no NaN)
+            None if np.isnan(x) else round(x, 4) for x in acceptance_by_depth(stats)
+        ],
+        "mean_kl": round(float(np.mean(ns.kl[first])), 4) if first.any() else float("nan"),
+        "mean_drafter_entropy": round(float(np.mean(ns.entropy[first])), 4)
+        if first.any()
+        else float("nan"),
+    }
+    if not np.all(np.isnan(ns.cert[valid])):
+        rejected = first & ~ns.passes
+        out |= {
+            "certified_fraction": round(float(np.mean(certified[first])), 4),
+            "certified_then_rejected": int(np.sum(certified & rejected)),
+        }
+    return out
+
+
+def pad_batch(stats: RoundStats, batch: int) -> RoundStats:
+    """Pads numpy stats ``[R, B, ...]`` to ``[R, batch, ...]`` along the batch axis.
+
+    Floating fields are padded with ``nan``, the others with 0 (``active`` and ``valid``
+    with ``False``), so batches of different sizes concatenate over rounds.
+    """
+
+    def pad(x):
+        extra = [(0, 0)] * x.ndim
+        extra[1] = (0, batch - x.shape[1])
+        fill = np.nan if np.issubdtype(x.dtype, np.floating) else 0
+        return np.pad(x, extra, constant_values=fill)
+
+    return jax.tree.map(pad, stats)
+
+
+def summarize_runs(runs: Mapping[str, Sequence]) -> dict:
+    """Summary of ``jaxcert decode``: the speculative run, the target-only run and both.
+
+    Args:
+      runs: ``{"speculative": [...], "target": [...]}``, one ``DecodeOutput`` per batch
+        (``target`` empty without the target-only run). The speculative batches' numpy stats
+        ``[R_i, B_i, ...]`` are padded to the largest ``B`` and concatenated over rounds.
+
+    Returns:
+      ``{"speculative": summarize_run(...) | {"compile_s"}}``, plus, with a target-only run,
+      ``"target_only"`` (its :func:`summarize_run`), ``"speedup"`` (the ratio of tokens/s)
+      and ``"identical_outputs"`` (``"same/rows"``).
+    """
+
+    def total(name, attr):
+        return sum(getattr(r, attr) for r in runs[name])
+
+    spec = runs["speculative"]
+    stats = [r.stats for r in spec]
+    merged = {}
+    if stats:
+        batch = max(s.active.shape[1] for s in stats)
+        merged = jax.tree.map(
+            lambda *xs: np.concatenate(xs, axis=0) if xs[0].ndim else xs[0],
+            *[pad_batch(s, batch) for s in stats],
+        )
+    out = {
+        "speculative": summarize_run(
+            merged or None, total("speculative", "num_tokens"), total("speculative", "decode_s")
+        )
+    }
+    out["speculative"]["compile_s"] = round(total("speculative", "compile_s"), 1)
+    if runs["target"]:
+        base = summarize_run(None, total("target", "num_tokens"), total("target", "decode_s"))
+        out["target_only"] = base
+        out["speedup"] = round(out["speculative"]["tokens_per_s"] / base["tokens_per_s"], 3)
+        pairs = [
+            (a, b)
+            for s, t in zip(spec, runs["target"], strict=True)
+            for a, b in zip(s.tokens, t.tokens, strict=True)
+        ]
+        same = sum(len(a) == len(b) and bool((a == b).all()) for a, b in pairs)
+        out["identical_outputs"] = f"{same}/{len(pairs)}"
+    return out
+
+
+def markdown_summary(summary: dict) -> str:
+    """A markdown table of a :func:`summarize_runs` summary, then acceptance by position."""
+    s = summary["speculative"]
+    lines = [
+        "| run | tokens | tokens/s | speedup | accepted/round | tokens/round | "
+        "acceptance | certified |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    if "target_only" in summary:
+        b = summary["target_only"]
+        lines.append(f"| target only | {b['tokens']} | {b['tokens_per_s']:.2f} | 1.00 | | | | |")
+    lines.append(
+        f"| speculative | {s['tokens']} | {s['tokens_per_s']:.2f} | "
+        f"{summary.get('speedup', float('nan')):.2f} | {s.get('mean_accepted', float('nan'))} | "
+        f"{s.get('tokens_per_round', '')} | {s.get('acceptance_rate', '')} | "
+        f"{s.get('certified_fraction', '')} |"
+    )
+    text = "\n".join(lines)
+    if "acceptance_by_depth" in s:
+        text += f"\n\nacceptance by position: {s['acceptance_by_depth']}"
+    if "identical_outputs" in summary:
+        text += f"\noutputs identical to target-only: {summary['identical_outputs']}"
+    return text
+
+
+def write_tables(
+    out_dir: pathlib.Path, runs: Sequence, prompt_ids: Sequence[str], batch_size: int
+) -> None:
+    """Writes ``rounds.parquet`` and ``nodes.parquet`` of the speculative ``runs``.
+
+    Args:
+      out_dir: the output folder.
+      runs: one ``DecodeOutput`` per batch, in order, with numpy stats ``[R_i, B_i, ...]``.
+      prompt_ids: ``[P]`` the prompts' ids, batch ``i`` holding
+        ``prompt_ids[i * batch_size : (i + 1) * batch_size]``.
+      batch_size: prompts per batch.
+
+    Rounds are numbered consecutively over the batches.
+    """
+    tables = {"rounds": [], "nodes": []}
+    offset = 0
+    for i, run in enumerate(runs):
+        batch_ids = prompt_ids[i * batch_size : (i + 1) * batch_size]
+        tables["rounds"].append(round_table(run.stats, batch_ids, start_round=offset))
+        tables["nodes"].append(node_table(run.stats, batch_ids, start_round=offset))
+        offset += len(run.stats.active)
+    for name, parts in tables.items():
+        pq.write_table(pa.concat_tables(parts), pathlib.Path(out_dir) / f"{name}.parquet")
+
+
+def write_outputs(
+    path: pathlib.Path,
+    runs: Mapping[str, Sequence],
+    prompt_ids: Sequence[str],
+    decode: Callable[[np.ndarray], str],
+) -> None:
+    """Writes ``outputs.jsonl``: per prompt, the decoded speculative (and target-only) text.
+
+    Args:
+      path: the file to write.
+      runs: as for :func:`summarize_runs`; each batch's ``tokens`` is one ``[T_b]`` array
+        of output ids per row.
+      prompt_ids: ``[P]`` the prompts' ids, in the order of the batches' rows.
+      decode: token ids -> text (the tokenizer's ``decode``).
+
+    Each line: ``prompt_id``, ``speculative`` and, with a target-only run, ``target_only``
+    and ``identical`` (the token ids agree).
+    """
+    with open(path, "w", encoding="utf-8") as f:
+        spec = [t for r in runs["speculative"] for t in r.tokens]
+        base = [t for r in runs["target"] for t in r.tokens] or [None] * len(spec)
+        for pid, s_tok, b_tok in zip(prompt_ids, spec, base, strict=True):
+            record = {"prompt_id": pid, "speculative": decode(s_tok)}
+            if b_tok is not None:
+                record["target_only"] = decode(b_tok)
+                record["identical"] = bool(len(s_tok) == len(b_tok) and (s_tok == b_tok).all())
+            f.write(json.dumps(record) + "\n")
