@@ -1,4 +1,19 @@
-"""jaxcert: exact acceptance certificates, speculative decoding and certificate losses."""
+"""jaxcert: exact acceptance certificates, speculative decoding and certificate losses.
+
+Shape letters, one meaning each across the package (``jaxcert.decoding`` and
+``jaxcert.models`` add their own, listed in their docstrings, and never reuse these):
+
+=====  ====================================================================
+B      batch rows (for the solver: all leading axes flattened)
+T      positions (time)
+V      vocabulary
+M      list size ``m`` of a rule (top-``m``, tree coverage)
+W      the solver's sorted window of the top logits (``top_k``)
+=====  ====================================================================
+
+The theory (definitions, lemmas, closed forms, bounds, numerics) is in the repository's
+``docs/certificates.md``; docstrings cite its sections.
+"""
 
 from jaxcert import losses
 from jaxcert.bounds import (

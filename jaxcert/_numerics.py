@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -46,25 +47,74 @@ def coverage_kl_uniform(r, m: int):
     return (h_shifted(m * r) + m * h_shifted(-r)) / (m + 1)
 
 
-def top_k(x, k: int):
-    """``lax.top_k`` that stays a top-k on CPU.
+def compute_dtype(*dtypes) -> jnp.dtype:
+    """The dtype every quantity is computed in: float64 if any input is float64, else float32.
 
-    If a slice of ``top_k``'s output (say ``values[..., 0]``) is fused with the op, XLA on
-    CPU may fall back to sorting the whole row (measured 100x slower at V = 151,936); the
-    optimisation barrier keeps the top-k pattern intact.
+    bfloat16 and float16 logits are promoted to float32 (their own arithmetic would make
+    certificates and verification depend on rounding, e.g. on the batch size).
     """
-    return lax.optimization_barrier(lax.top_k(x, k))
+    if any(jnp.dtype(d) == jnp.float64 for d in dtypes):
+        return jnp.dtype(jnp.float64)
+    return jnp.dtype(jnp.float32)
+
+
+def normalizer(x):
+    """``(max, S)`` over the last axis: ``S = sum(exp(x - max))``, ``log Z = max + log S``.
+
+    The one home of the softmax normaliser (solver, statistics, policies, verification).
+    """
+    x_max = jnp.max(x, axis=-1)
+    return x_max, jnp.sum(jnp.exp(x - x_max[..., None]), axis=-1)
+
+
+_GROUP = 64  # tokens per group of the grouped top-k
+_GROUPED_MIN_VOCAB = 8192  # below this a plain top_k is cheap whatever XLA does with it
+
+
+def top_k(x, k: int):
+    """Exact ``lax.top_k`` over the last axis, fast on CPU, sharding-transparent.
+
+    Ties go to the lower index, as in ``lax.top_k``. On CPU, XLA may turn a ``top_k`` whose
+    outputs are fused with their consumers into a sort of the whole row (measured 25x
+    slower at V = 151,936). An optimisation barrier prevented that, but XLA's SPMD
+    partitioner aborts on barriers under sharding; instead, for wide rows on CPU this takes
+    the top-``k`` in two exact stages with nothing to sort but short rows: the ``k``
+    groups of 64 tokens with the largest maxima contain the top-``k`` tokens (each group
+    ranked above the group of a top-``k`` token holds a token ranked above it, so there
+    are fewer than ``k`` such groups), then a ``top_k`` of those ``64 k`` candidates. Other
+    backends, and narrow rows, use ``lax.top_k`` directly.
+
+    Args:
+      x: ``[..., V]`` floating.
+      k: ``1 <= k <= V``.
+
+    Returns:
+      ``(values, indices)``: ``[..., k]``, decreasing, and their int32 indices.
+    """
+    v = x.shape[-1]
+    groups = -(-v // _GROUP)
+    if jax.default_backend() != "cpu" or v < _GROUPED_MIN_VOCAB or k >= groups:
+        values, indices = lax.top_k(x, k)
+        return values, indices.astype(jnp.int32)
+    lead = x.shape[:-1]
+    if groups * _GROUP != v:  # pad with -inf: never chosen before a real token (higher ids)
+        pad = [(0, 0)] * (x.ndim - 1) + [(0, groups * _GROUP - v)]
+        x = jnp.pad(x, pad, constant_values=-jnp.inf)
+    grouped = x.reshape(*lead, groups, _GROUP)
+    _, best = lax.top_k(jnp.max(grouped, axis=-1), k)  # [..., k] group ids
+    best = jnp.sort(best, axis=-1).astype(jnp.int32)  # candidates in id order: ties to lower
+    candidates = jnp.take_along_axis(grouped, best[..., None], axis=-2)  # [..., k, G]
+    values, pos = lax.top_k(candidates.reshape(*lead, k * _GROUP), k)
+    group = jnp.take_along_axis(best, pos // _GROUP, axis=-1)
+    return values, group * _GROUP + pos % _GROUP
 
 
 def entropy(x, x_max, total):
     """Entropy in nats of ``softmax(x)`` over the last axis, given its max and normaliser.
 
     ``H = log S - sum(e s) / S`` with ``s = x - max``, ``e = exp(s)``, ``S = sum(e)``
-    (``total``). The barrier keeps this reduction in a fusion of its own: on CPU, sharing
-    ``exp(s)`` with the normaliser's reduction materialises it and runs 4x slower than
-    recomputing it.
+    (``total``); ``0 log 0 = 0`` for ``-inf`` logits.
     """
-    x, x_max = lax.optimization_barrier((x, x_max))
     shifted = jnp.maximum(x - x_max[..., None], -1e4)  # exp(-1e4) = 0: no 0 * -inf
     weighted = jnp.sum(jnp.exp(shifted) * shifted, axis=-1)
     return jnp.log(total) - weighted / total

@@ -70,7 +70,11 @@ def check_probability(name: str, value, *, closed_right: bool = True) -> float:
 
 
 def round_up(n: int, multiple: int) -> int:
-    """The smallest multiple of ``multiple`` that is ``>= n`` (padded widths, cache sizes)."""
+    """The smallest multiple of ``multiple`` that is ``>= n`` (padded widths, cache sizes).
+
+    >>> round_up(33, 16), round_up(32, 16)
+    (48, 32)
+    """
     return -(-n // multiple) * multiple
 
 

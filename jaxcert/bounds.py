@@ -1,6 +1,7 @@
 """Margin-only certificate bounds and certified run lengths.
 
-When only the target margin ``gamma = p(x0) - p(x2)`` is known, the certificate is
+When only the target margin ``gamma`` (the top-1 probability minus the runner-up's,
+``p(x0) - max_{x != x0} p(x)``) is known, the certificate is
 bracketed by closed forms (spec section 5):
 
 * strict greedy: ``phi(gamma) <= C_1 <= s_V phi(gamma / s_V)``, ``s_V = gamma + 2(1-gamma)/V``,
@@ -41,7 +42,8 @@ def greedy_margin_bounds(margin: jax.typing.ArrayLike, vocab_size: int):
     """Tight bounds on the strict-greedy certificate from the margin alone.
 
     Args:
-      margin: ``[...]`` target margin ``gamma = p(x0) - p(x2)`` in ``[0, 1]``.
+      margin: ``[...]`` target margin ``gamma`` in ``[0, 1]``: the top-1 probability minus
+        the runner-up's, ``p(x0) - max_{x != x0} p(x)``.
       vocab_size: ``V >= 2``.
 
     Returns:
@@ -52,6 +54,12 @@ def greedy_margin_bounds(margin: jax.typing.ArrayLike, vocab_size: int):
 
     Raises:
       ValueError: ``vocab_size < 2``.
+
+    Example:
+      >>> from jaxcert import greedy_margin_bounds
+      >>> lower, upper = greedy_margin_bounds(0.1, vocab_size=151_936)
+      >>> round(float(lower), 4), round(float(upper), 4)
+      (0.005, 0.0693)
 
     Source: spec section 5, rule 1.
     """

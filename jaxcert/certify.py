@@ -24,8 +24,8 @@ from jax import lax
 
 from jaxcert import models
 from jaxcert import stats as stats_lib
-from jaxcert._validate import check_int
-from jaxcert.prompts import Prompt, encode_prompts
+from jaxcert._validate import check_int, round_up
+from jaxcert.prompts import Prompt, encode_prompts, pad_prompts
 from jaxcert.solver import certificates
 
 __all__ = ["CertifyOptions", "certify_prompts", "rule_column"]
@@ -77,10 +77,9 @@ def _decode_chunk(graphdef, state, cache, logits, active, rules, steps, top, eos
         certs = certificates(logits, rules)
         record = (st, tuple(c.value for c in certs), active)
         token = st.greedy_token
-        new_logits, cache = models.forward(graphdef, state, token[:, None], cache)
-        cache = cache.commit(1)
-        active = active & ~jnp.any(token[:, None] == eos[None, :], axis=-1)
-        return (cache, new_logits[:, 0], active), record
+        new_logits, cache = models.decode_step(graphdef, state, token, cache, active)
+        active = active & ~jnp.isin(token, eos)
+        return (cache, new_logits, active), record
 
     (cache, logits, active), records = lax.scan(step, (cache, logits, active), None, length=steps)
     return cache, logits, active, records
@@ -155,7 +154,7 @@ def certify_prompts(
     timings = {"prefill_s": 0.0, "decode_s": 0.0}
     # One prompt width and one cache size for every batch (the last batch is padded with
     # copies of a prompt whose rows are dropped), so each jitted function compiles once.
-    width = -(-max(len(encoded[i]) for i in order) // 16) * 16
+    width = round_up(max(len(encoded[i]) for i in order), 16)
     cache_length = width + chunks * options.chunk + 1
     if cache_length > lm.config.max_position_embeddings:
         raise ValueError(
@@ -166,10 +165,7 @@ def certify_prompts(
     for batch in _batches(order, options.batch_size):
         ids = [encoded[i] for i in batch]
         ids += [ids[0]] * (rows - len(ids))
-        lengths = np.array([len(x) for x in ids], np.int32)
-        tokens = np.zeros((rows, width), np.int32)
-        for row, seq in enumerate(ids):
-            tokens[row, : len(seq)] = seq
+        tokens, lengths = pad_prompts(ids, width=width)
         cache = _new_cache(lm, rows, cache_length)
         t0 = time.perf_counter()
         logits, cache = _prefill(graphdef, state, jnp.asarray(tokens), jnp.asarray(lengths), cache)

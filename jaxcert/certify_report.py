@@ -137,7 +137,7 @@ def plot_report(table: pa.Table, rule_columns: Sequence[str], out_dir: pathlib.P
     )
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("target margin gamma = p(x0) - p(x2)")
+    ax.set_xlabel("target margin gamma = p(x0) - p(runner-up)")
     ax.set_ylabel("certificate C_p (nats)")
     ax.set_title("Certificate vs margin")
     ax.grid(alpha=0.3)

@@ -24,6 +24,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxcert import _numerics
 from jaxcert import rules as rules_lib
 from jaxcert.solver import DEFAULT_TOP_K, certificate
 
@@ -35,10 +36,6 @@ __all__ = [
     "certificate_ratio",
     "cvar",
 ]
-
-
-def _compute_dtype(*arrays):
-    return jnp.float64 if any(a.dtype == jnp.float64 for a in arrays) else jnp.float32
 
 
 def _check_pair(drafter_logits, target_logits):
@@ -74,18 +71,20 @@ def _kl(target_logits, drafter_logits):
 
 
 def kl_divergence(
-    target_logits: jax.typing.ArrayLike,
     drafter_logits: jax.typing.ArrayLike,
+    target_logits: jax.typing.ArrayLike,
     *,
     where: jax.typing.ArrayLike | None = None,
 ) -> jax.Array:
     """``KL(p || q)`` in nats per position, ``p = softmax(target)``, ``q = softmax(drafter)``.
 
-    This is the direction the certificates use (and the usual distillation loss).
+    This is the direction the certificates use (and the usual distillation loss). The
+    drafter comes first, as in every loss of this module and as optax puts the predictions
+    first; pass both by keyword to make the direction explicit.
 
     Args:
-      target_logits: ``[..., V]`` target logits.
-      drafter_logits: ``[..., V]`` drafter logits (same shape).
+      drafter_logits: ``[..., V]`` drafter logits.
+      target_logits: ``[..., V]`` target logits (same shape).
       where: optional ``[...]`` bool mask; masked positions give exactly 0.
 
     Returns:
@@ -93,9 +92,16 @@ def kl_divergence(
 
     Raises:
       ValueError: non-floating inputs or mismatched shapes.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxcert.losses import kl_divergence
+      >>> p, q = jnp.log(jnp.array([0.5, 0.5])), jnp.log(jnp.array([0.9, 0.1]))
+      >>> round(float(kl_divergence(drafter_logits=q, target_logits=p)), 4)  # KL(p||q)
+      0.5108
     """
     d, t = _check_pair(drafter_logits, target_logits)
-    dtype = _compute_dtype(d, t)
+    dtype = _numerics.compute_dtype(d.dtype, t.dtype)
     mask, (d, t) = _masked(where, d.shape, d.astype(dtype), t.astype(dtype))
     kl = _kl(t, d)
     return kl if mask is None else jnp.where(mask, kl, 0.0)
@@ -144,7 +150,7 @@ def certificate_value(
 
 def _excess(drafter_logits, target_logits, rule, margin, where, differentiate_target, top_k):
     d, t = _check_pair(drafter_logits, target_logits)
-    dtype = _compute_dtype(d, t)
+    dtype = _numerics.compute_dtype(d.dtype, t.dtype)
     mask, (d, t) = _masked(where, d.shape, d.astype(dtype), t.astype(dtype))
     if not differentiate_target:
         t = jax.lax.stop_gradient(t)

@@ -7,7 +7,9 @@ import json
 import pathlib
 from collections.abc import Sequence
 
-__all__ = ["Prompt", "load_prompts", "encode_prompts"]
+import numpy as np
+
+__all__ = ["Prompt", "load_prompts", "encode_prompts", "pad_prompts"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,3 +134,55 @@ def encode_prompts(
             ids = tokenizer(prompt.text)["input_ids"]
         out.append([int(i) for i in ids])
     return out
+
+
+def pad_prompts(
+    prompts: Sequence[Sequence[int]],
+    *,
+    width: int | None = None,
+    minimum: int = 1,
+    vocab_size: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Right-pads token-id prompts into one array, after checking every id.
+
+    The one padding routine of the package (certify, the decoder, drafter training).
+
+    Args:
+      prompts: ``B`` sequences of int token ids.
+      width: the padded width ``W`` (``None``: the longest prompt).
+      minimum: the fewest tokens a prompt may have.
+      vocab_size: ids must be in ``[0, V)`` (``None``: only ``>= 0`` is checked).
+
+    Returns:
+      ``(tokens, lengths)``: ``[B, W]`` int32 (zeros after each prompt) and ``[B]`` int32.
+
+    Raises:
+      ValueError: no prompts, a row that is not a sequence of integers, an id out of range,
+        a prompt shorter than ``minimum``, or ``width`` shorter than the longest prompt.
+    """
+    if len(prompts) == 0:
+        raise ValueError("no prompts")
+    if any(isinstance(p, (int, np.integer)) for p in prompts):
+        raise ValueError("prompts must be a list of token-id sequences (one per row)")
+    rows = [np.asarray(p) for p in prompts]
+    for i, ids in enumerate(rows):
+        if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
+            raise ValueError(f"prompt {i}: expected a sequence of integer token ids")
+        high = np.iinfo(np.int32).max if vocab_size is None else vocab_size
+        if ids.size and (ids.min() < 0 or ids.max() >= high):
+            raise ValueError(
+                f"prompt {i}: token ids must be in [0, {vocab_size}), got {ids.min()}..{ids.max()}"
+            )
+    lengths = np.array([len(p) for p in rows], np.int32)
+    if lengths.min() < minimum:
+        raise ValueError(
+            f"every prompt needs at least {minimum} tokens; prompt {int(lengths.argmin())} "
+            f"has {lengths.min()}"
+        )
+    w = int(lengths.max()) if width is None else width
+    if w < lengths.max():
+        raise ValueError(f"prompt_width={w} is shorter than the longest prompt ({lengths.max()})")
+    out = np.zeros((len(prompts), w), np.int32)
+    for row, ids in enumerate(rows):
+        out[row, : len(ids)] = ids
+    return out, lengths

@@ -25,6 +25,9 @@ from jaxcert._validate import check_float, check_int, check_probability
 __all__ = [
     "Rule",
     "SingleTokenRule",
+    "SINGLE_TOKEN_RULES",
+    "ALL_RULES",
+    "in_upper_set",
     "StrictGreedy",
     "Additive",
     "Multiplicative",
@@ -196,7 +199,8 @@ class Typical(_RuleBase):
 
 
 SingleTokenRule = StrictGreedy | Additive | Multiplicative | TargetTopK | Typical
-_SINGLE = (StrictGreedy, Additive, Multiplicative, TargetTopK, Typical)
+SINGLE_TOKEN_RULES = (StrictGreedy, Additive, Multiplicative, TargetTopK, Typical)
+"""The single-token rule classes, for ``isinstance`` checks (``m = 1``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,7 +221,7 @@ class TreeCoverage(_RuleBase):
 
     def __post_init__(self):
         check_int("TreeCoverage.m", self.m)
-        if self.base is not None and not isinstance(self.base, _SINGLE):
+        if self.base is not None and not isinstance(self.base, SINGLE_TOKEN_RULES):
             raise ValueError(
                 "TreeCoverage.base must be a single-token rule (StrictGreedy, Additive, "
                 f"Multiplicative, TargetTopK or Typical), got {self.base!r}"
@@ -252,6 +256,34 @@ class TreeCoverage(_RuleBase):
 
 
 Rule = StrictGreedy | Additive | Multiplicative | TargetTopK | Typical | TreeCoverage
+ALL_RULES = SINGLE_TOKEN_RULES + (TreeCoverage,)
+"""Every rule class, for ``isinstance`` checks."""
+
+
+def in_upper_set(rule: Rule, rel_logits, log_p_max, entropy=None):
+    """Membership in a threshold rule's accepted set ``U``: the one definition.
+
+    The certificate solver and the decoder's verification both call this, so "certified"
+    and "accepted" come from the same test. Computed from logits relative to the greedy
+    token (no ``exp`` of the token's logit).
+
+    Args:
+      rule: a rule whose ``U`` is given by a probability threshold (additive,
+        multiplicative, typical, or a tree rule over one of them).
+      rel_logits: ``[...]`` ``log p_x - log p(x0)`` of the tokens asked about (``<= 0``).
+      log_p_max: ``log p(x0)``, broadcastable to ``rel_logits``.
+      entropy: ``H(p)`` in nats, broadcastable (only read by :class:`Typical`).
+
+    Returns:
+      ``[...]`` bool, ``x in U``.
+
+    Source: ``docs/certificates.md`` sections 0 and 3 (the accepted set of each rule).
+    """
+    threshold, inclusive = rule.upper_threshold(jnp.exp(log_p_max), entropy)
+    positive = threshold > 0
+    log_threshold = jnp.where(positive, jnp.log(jnp.where(positive, threshold, 1.0)), -jnp.inf)
+    return rel_logits >= log_threshold if inclusive else rel_logits > log_threshold
+
 
 _ALIASES = {
     "greedy": "greedy",
@@ -291,6 +323,11 @@ def parse_rule(spec: str) -> Rule:
 
     Raises:
       ValueError: unknown rule name, wrong number of parameters or invalid values.
+
+    Example:
+      >>> from jaxcert.rules import parse_rule
+      >>> parse_rule("tree:4+additive:0.3")
+      TreeCoverage(m=4, base=Additive(t=0.3))
     """
     text = spec.strip().lower()
     head, _, tail = text.partition("+")

@@ -13,10 +13,10 @@ function ``g(c) = sum_U (p - c)_+ - sum_T (c - p)_+`` at every breakpoint, and t
 value is evaluated as ``sum_P c h(p_i / c)`` from logit differences (``expm1``), which
 is stable for near-tied pools (spec section 6).
 
-Speed: only the top ``K`` logits are sorted (``lax.top_k``). When ``U`` or ``T*``
-could reach past them (``|U| + m > K``, possible for the threshold rules), those rows
+Speed: only the top ``W`` logits are sorted (``lax.top_k``). When ``U`` or ``T*``
+could reach past them (``|U| + m > W``, possible for the threshold rules), those rows
 take an exact path over the full vocabulary: a full-row count and a masked top-``m``
-for ``T*``, and, only if more than ``K`` tokens of ``U`` are pooled, a full sort. The
+for ``T*``, and, only if more than ``W`` tokens of ``U`` are pooled, a full sort. The
 exact path runs row by row behind a ``lax.cond``, so a batch only pays for its hard
 rows (under a user's ``jax.vmap`` both branches run: still exact, slower).
 """
@@ -31,8 +31,9 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
-from jaxcert import _numerics
+from jaxcert import _numerics, _sharding
 from jaxcert import rules as rules_lib
 from jaxcert._validate import check_int
 
@@ -51,7 +52,8 @@ class Certificate:
     Attributes:
       value: ``[...]`` the certificate ``C_p`` in nats; ``+inf`` where rejection is
         impossible (``|L| < m``); ``nan`` where the input row was invalid.
-      margin: ``[...]`` the target margin ``gamma = p(x0) - p(x2)`` (a probability).
+      margin: ``[...]`` the target margin ``gamma``: the top-1 probability minus the
+        runner-up's, ``p(x0) - max_{x != x0} p(x)``.
       greedy_token: ``[...]`` int32 ``x0 = argmax p`` (lowest index among ties).
       competitor: ``[..., M]`` int32 ``T*``, the ``m`` most probable tokens of ``L``
         (most probable first, ties to the lower index); ``-1`` where ``|L| < m``.
@@ -74,48 +76,42 @@ class Certificate:
 
 
 class _Prepared(NamedTuple):
-    """Per-row quantities shared by every rule. ``N`` rows, window of ``K`` tokens."""
+    """Per-row quantities shared by every rule. ``B`` (flattened) rows, window of ``W`` tokens."""
 
-    x: jax.Array  # [N, V] logits in the compute dtype
-    valid: jax.Array  # [N] bool
-    top_x: jax.Array  # [N, K] largest logits, decreasing
-    top_i: jax.Array  # [N, K] int32 their token ids (ties: lower id first)
-    log_p_max: jax.Array  # [N] log p(x0)
-    entropy: jax.Array | None  # [N] H(p) in nats, only if a rule needs it
+    x: jax.Array  # [B, V] logits in the compute dtype
+    valid: jax.Array  # [B] bool
+    top_x: jax.Array  # [B, W] largest logits, decreasing
+    top_i: jax.Array  # [B, W] int32 their token ids (ties: lower id first)
+    log_p_max: jax.Array  # [B] log p(x0)
+    entropy: jax.Array | None  # [B] H(p) in nats, only if a rule needs it
 
 
 class _Solution(NamedTuple):
-    """Solver state for one rule; leading shape ``[N]`` (or none, per row)."""
+    """Solver state for one rule; leading shape ``[B]`` (or none, per row)."""
 
-    value_rel: jax.Array  # [N] C_p / p(x0)
-    level_rel: jax.Array  # [N] c / p(x0)
-    impossible: jax.Array  # [N] bool, |L| < m
-    pooled_u: jax.Array  # [N] int32 number of pooled U tokens (a prefix of U)
-    u_cut: jax.Array  # [N] logit of the last pooled U token
-    comp_x: jax.Array  # [N, M] logits of T*, decreasing
-    comp_i: jax.Array  # [N, M] int32 token ids of T*
-    pooled_t: jax.Array  # [N, M] bool, T* tokens lifted to the level
-
-
-def _compute_dtype(dtype) -> jnp.dtype:
-    return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(jnp.float32)
+    value_rel: jax.Array  # [B] C_p / p(x0)
+    level_rel: jax.Array  # [B] c / p(x0)
+    impossible: jax.Array  # [B] bool, |L| < m
+    pooled_u: jax.Array  # [B] int32 number of pooled U tokens (a prefix of U)
+    u_cut: jax.Array  # [B] logit of the last pooled U token
+    comp_x: jax.Array  # [B, M] logits of T*, decreasing
+    comp_i: jax.Array  # [B, M] int32 token ids of T*
+    pooled_t: jax.Array  # [B, M] bool, T* tokens lifted to the level
 
 
-def _prepare(x: jax.Array, window: int, need_entropy: bool) -> _Prepared:
-    dtype = _compute_dtype(x.dtype)
-    x = x.astype(dtype)
+def _prepare(x: jax.Array, window: int, need_entropy: bool, axis_name) -> _Prepared:
+    x = x.astype(_numerics.compute_dtype(x.dtype))
     # Keep the normalisation independent of top_k's outputs: on CPU, XLA fuses a reduction
     # that reads top_k's result into a loop that recomputes it (100x slower).
-    x_max = jnp.max(x, axis=-1)
-    total = jnp.sum(jnp.exp(x - x_max[:, None]), axis=-1)
+    x_max, total = _sharding.normalizer(x, axis_name)
     lse = x_max + jnp.log(total)
     # NaN propagates into lse, +inf and an all -inf row make x_max non-finite.
     valid = jnp.isfinite(lse) & jnp.isfinite(x_max)
     entropy = None
     if need_entropy:
-        entropy = _numerics.entropy(x, x_max, total)
-    top_x, top_i = _numerics.top_k(x, window)
-    return _Prepared(x, valid, top_x, top_i.astype(jnp.int32), top_x[:, 0] - lse, entropy)
+        entropy = _sharding.entropy(x, x_max, total, axis_name)
+    top_x, top_i = _sharding.top_k(x, window, axis_name)
+    return _Prepared(x, valid, top_x, top_i, top_x[:, 0] - lse, entropy)
 
 
 def _water_fill(ux, u_valid, tx, x0) -> tuple:
@@ -165,17 +161,8 @@ def _cut(ux, pooled_u):
     return jnp.where(pooled_u > 0, last, jnp.inf)
 
 
-def _upper_member(rule, rel, log_p_max, entropy):
-    """Membership in a threshold rule's ``U`` from logits relative to ``x0`` (no ``exp``)."""
-    threshold, inclusive = rule.upper_threshold(jnp.exp(log_p_max), entropy)
-    positive = threshold > 0
-    log_threshold = jnp.where(positive, jnp.log(jnp.where(positive, threshold, 1.0)), -jnp.inf)
-    return rel >= log_threshold if inclusive else rel > log_threshold
-
-
-def _solve_window(prep: _Prepared, rule, window: int):
-    """Top-``K`` path for every row. Returns ``(solution, exact)``; ``exact`` is ``[N]``."""
-    vocab = prep.x.shape[-1]
+def _solve_window(prep: _Prepared, rule, window: int, vocab: int):
+    """Top-``W`` path for every row. Returns ``(solution, exact)``; ``exact`` is ``[B]``."""
     m = rule.list_size
     x0 = prep.top_x[:, 0]
     positions = jnp.arange(window)
@@ -183,7 +170,7 @@ def _solve_window(prep: _Prepared, rule, window: int):
         upper = jnp.full(x0.shape, min(rule.static_upper_size, vocab), jnp.int32)
         exact = jnp.ones(x0.shape, bool)
     else:
-        member = _upper_member(
+        member = rules_lib.in_upper_set(
             rule,
             prep.top_x - x0[:, None],
             prep.log_p_max[:, None],
@@ -202,19 +189,17 @@ def _solve_window(prep: _Prepared, rule, window: int):
     return sol, exact
 
 
-def _solve_row_exact(x, top_x, log_p_max, entropy, rule, window: int) -> _Solution:
-    """Exact path for one row ``x: [V]`` whose ``U`` or ``T*`` reaches past the window."""
-    vocab = x.shape[-1]
+def _solve_row_exact(x, top_x, log_p_max, entropy, rule, window: int, vocab: int, axis_name):
+    """Exact path for one row ``x: [V]`` (or its shard) whose ``U`` or ``T*`` passes the window."""
     m = rule.list_size
     x0 = top_x[0]
-    member = _upper_member(rule, x - x0, log_p_max, entropy)
-    upper = jnp.sum(member, dtype=jnp.int32)
+    member = rules_lib.in_upper_set(rule, x - x0, log_p_max, entropy)
+    upper = _sharding.vocab_sum(member.astype(jnp.int32), axis_name)
     impossible = upper > vocab - m
-    # T* = top-m of L; -inf logits of L stay above the mask of U.
+    # T* = top-m of L; -inf logits of L stay above the mask of U (whose key is -inf).
     key = jnp.where(member, -jnp.inf, jnp.maximum(x, jnp.finfo(x.dtype).min))
-    _, comp_i = _numerics.top_k(key, m)
-    comp_i = comp_i.astype(jnp.int32)
-    comp_x = x[comp_i]
+    comp_key, comp_i = _sharding.top_k(key, m, axis_name)
+    comp_x = jnp.where(comp_key == jnp.finfo(x.dtype).min, -jnp.inf, comp_key)
     u_valid = jnp.arange(window) < upper
     value_rel, level_rel, pooled_u, pooled_t = _water_fill(top_x, u_valid, comp_x, x0)
     windowed = _Solution(
@@ -229,8 +214,10 @@ def _solve_row_exact(x, top_x, log_p_max, entropy, rule, window: int) -> _Soluti
     )
 
     def full_sort():
-        # More than `window` tokens of U are pooled: sort the whole row (rare, slow).
-        neg_sorted, _ = lax.sort((-x, jnp.arange(vocab)), num_keys=1, is_stable=True)
+        # More than `window` tokens of U are pooled: sort the whole row (rare, slow; with a
+        # split vocabulary the row is gathered first).
+        row = _sharding.gather_row(x, axis_name)
+        neg_sorted, _ = lax.sort((-row, jnp.arange(vocab)), num_keys=1, is_stable=True)
         sx = -neg_sorted
         valid = jnp.arange(vocab) < upper
         v, c, pu, pt = _water_fill(sx, valid, comp_x, x0)
@@ -240,9 +227,9 @@ def _solve_row_exact(x, top_x, log_p_max, entropy, rule, window: int) -> _Soluti
     return lax.cond(overflow, full_sort, lambda: windowed)
 
 
-def _solve(prep: _Prepared, rule, window: int) -> _Solution:
-    sol, exact = _solve_window(prep, rule, window)
-    if rule.static_upper_size is not None or window == prep.x.shape[-1]:
+def _solve(prep: _Prepared, rule, window: int, vocab: int, axis_name) -> _Solution:
+    sol, exact = _solve_window(prep, rule, window, vocab)
+    if rule.static_upper_size is not None or window == vocab:
         return sol
     need = ~exact & prep.valid
     entropy = prep.entropy if prep.entropy is not None else jnp.zeros_like(prep.log_p_max)
@@ -252,7 +239,7 @@ def _solve(prep: _Prepared, rule, window: int) -> _Solution:
             flag, x, top_x, log_p_max, ent, row = args
             return lax.cond(
                 flag,
-                lambda: _solve_row_exact(x, top_x, log_p_max, ent, rule, window),
+                lambda: _solve_row_exact(x, top_x, log_p_max, ent, rule, window, vocab, axis_name),
                 lambda: row,
             )
 
@@ -261,7 +248,7 @@ def _solve(prep: _Prepared, rule, window: int) -> _Solution:
     return lax.cond(jnp.any(need), fix_rows, lambda: sol)
 
 
-def _finish(prep: _Prepared, sol: _Solution, return_q: bool) -> Certificate:
+def _finish(prep: _Prepared, sol: _Solution, return_q: bool, axis_name) -> Certificate:
     dtype = prep.x.dtype
     p_max = jnp.exp(prep.log_p_max)
     ok = prep.valid
@@ -281,8 +268,11 @@ def _finish(prep: _Prepared, sol: _Solution, return_q: bool) -> Certificate:
         lse = prep.top_x[:, 0] - prep.log_p_max
         p = jnp.exp(x - lse[:, None])
         rows = jnp.arange(x.shape[0])[:, None]
-        is_comp = jnp.zeros(x.shape, bool).at[rows, sol.comp_i].set(True)
-        lift = jnp.zeros(x.shape, bool).at[rows, sol.comp_i].set(sol.pooled_t)
+        # T* ids are global: this shard's entries are at id - offset (others are dropped).
+        local = sol.comp_i - _sharding.shard_offset(x.shape[-1], axis_name)
+        local = jnp.where((local >= 0) & (local < x.shape[-1]), local, x.shape[-1])
+        is_comp = jnp.zeros(x.shape, bool).at[rows, local].set(True, mode="drop")
+        lift = jnp.zeros(x.shape, bool).at[rows, local].set(sol.pooled_t, mode="drop")
         lower = (x >= sol.u_cut[:, None]) & ~is_comp
         pool = (lift | lower) & (pool_size > 0)[:, None]
         q_star = jnp.where(pool, level[:, None], p)
@@ -304,11 +294,46 @@ def _window_size(rules: Sequence, vocab: int, top_k: int) -> int:
     return max(1, min(vocab, max(need)))
 
 
-@functools.partial(jax.jit, static_argnames=("rules", "return_q", "top_k"))
-def _certificates_flat(x, rules, return_q, top_k):
-    window = _window_size(rules, x.shape[-1], top_k)
-    prep = _prepare(x, window, any(r.needs_entropy for r in rules))
-    return tuple(_finish(prep, _solve(prep, r, window), return_q) for r in rules)
+def _certificates_local(x, axis_name, *, rules, return_q, top_k):
+    """Certificates of ``x: [..., V_local]``, a whole row or one shard of the vocabulary."""
+    lead = x.shape[:-1]
+    flat = jnp.reshape(x, (-1, x.shape[-1]))
+    vocab = x.shape[-1] * _sharding.axis_size(axis_name)
+    window = _window_size(rules, vocab, top_k)
+    prep = _prepare(flat, window, any(r.needs_entropy for r in rules), axis_name)
+    outs = tuple(
+        _finish(prep, _solve(prep, r, window, vocab, axis_name), return_q, axis_name) for r in rules
+    )
+
+    def unflatten(a):
+        return jnp.reshape(a, lead + a.shape[1:])
+
+    return tuple(jax.tree_util.tree_map(unflatten, out) for out in outs)
+
+
+@functools.partial(jax.jit, static_argnames=("rules", "return_q", "top_k", "axis_name"))
+def _certificates_jit(x, *, rules, return_q, top_k, axis_name):
+    return _certificates_local(x, axis_name, rules=rules, return_q=return_q, top_k=top_k)
+
+
+def _out_specs(rules, return_q):
+    def specs(lead, vocab):
+        per_row = P(*lead)
+        return tuple(
+            Certificate(
+                value=per_row,
+                margin=per_row,
+                greedy_token=per_row,
+                competitor=P(*lead, None),
+                pool_size=per_row,
+                level=per_row,
+                valid=per_row,
+                q_star=P(*lead, vocab) if return_q else None,
+            )
+            for _ in rules
+        )
+
+    return specs
 
 
 def _check_inputs(logits, rules, top_k):
@@ -318,7 +343,7 @@ def _check_inputs(logits, rules, top_k):
         raise ValueError(f"logits must be floating point, got dtype {logits.dtype}")
     if logits.ndim < 1 or logits.shape[-1] < 1:
         raise ValueError(f"logits must have shape [..., V] with V >= 1, got {logits.shape}")
-    bad = [r for r in rules if not isinstance(r, rules_lib._SINGLE + (rules_lib.TreeCoverage,))]
+    bad = [r for r in rules if not isinstance(r, rules_lib.ALL_RULES)]
     if bad or not rules:
         raise ValueError(f"expected one or more jaxcert rules, got {bad or rules!r}")
     check_int("top_k", top_k)
@@ -331,8 +356,18 @@ def certificates(
     *,
     return_q: bool = False,
     top_k: int = DEFAULT_TOP_K,
+    axis_name: str | tuple[str, ...] | None = None,
 ) -> tuple[Certificate, ...]:
-    """Exact certificates of several rules, sharing one normalisation and one top-K.
+    """Exact certificates of several rules, sharing one normalisation and one top-``W``.
+
+    Sharding: a sharded ``logits`` (a concrete array with a ``NamedSharding``, or any array
+    whose type carries explicit mesh axes, also under ``jax.jit``) is certified where it
+    lives, inside ``jax.shard_map``: batch shards independently, vocabulary shards with the
+    collectives of ``docs/certificates.md`` section 7 (a per-shard top-``W`` merged exactly,
+    collective max / sums / counts), never gathering a whole row except in the rare overflow
+    fallback. The outputs keep the input's batch sharding (``q_star`` its full sharding).
+    Inside your own ``shard_map`` whose mesh axes split the vocabulary, pass them as
+    ``axis_name``; elsewhere XLA's partitioner splits the plain computation.
 
     Args:
       logits: ``[..., V]`` logits or log-probabilities of the target ``p`` (normalised
@@ -341,8 +376,10 @@ def certificates(
         in float64.
       rules: the rules, e.g. ``(StrictGreedy(), Additive(0.3), TreeCoverage(4))``.
       return_q: also return the minimiser ``q*`` (``[..., V]``; costs a few passes).
-      top_k: size ``K`` of the sorted window (static). Rows whose ``U`` or ``T*`` reach
-        past it are solved exactly over the full vocabulary; ``K`` only trades speed.
+      top_k: size ``W`` of the sorted window (static). Rows whose ``U`` or ``T*`` reach
+        past it are solved exactly over the full vocabulary; ``W`` only trades speed.
+      axis_name: mesh axis name(s) splitting the last axis of ``logits``, when called
+        inside ``shard_map`` (``logits`` is then this device's ``[..., V / n]`` shard).
 
     Returns:
       One :class:`Certificate` per rule, in order.
@@ -352,18 +389,18 @@ def certificates(
         object that is not a rule, or an invalid ``top_k``. Rows with NaN/``+inf`` do not
         raise: they come back with ``valid=False`` and ``value=nan``.
 
-    Source: spec sections 0-3 and 6 (``../shared/spec/certificates.md``).
+    Source: ``docs/certificates.md`` sections 0-3 and 6.
     """
     rules = tuple(rules)
     logits = _check_inputs(logits, rules, top_k)
-    lead, vocab = logits.shape[:-1], logits.shape[-1]
-    flat = jnp.reshape(logits, (-1, vocab))
-    outs = _certificates_flat(flat, rules, return_q, top_k)
+    kw = dict(rules=rules, return_q=return_q, top_k=top_k)
 
-    def unflatten(a):
-        return jnp.reshape(a, lead + a.shape[1:])
+    def run(x, vocab_axes):
+        if vocab_axes is None and not isinstance(x, jax.core.Tracer):
+            return _certificates_jit(x, axis_name=None, **kw)
+        return _certificates_local(x, vocab_axes, **kw)
 
-    return tuple(jax.tree_util.tree_map(unflatten, out) for out in outs)
+    return _sharding.route(run, logits, _out_specs(rules, return_q), axis_name)
 
 
 def certificate(
@@ -372,6 +409,7 @@ def certificate(
     *,
     return_q: bool = False,
     top_k: int = DEFAULT_TOP_K,
+    axis_name: str | tuple[str, ...] | None = None,
 ) -> Certificate:
     """Exact certificate ``C_p = min_{q in R_p} KL(p || q)`` of one rule.
 
@@ -388,4 +426,4 @@ def certificate(
 
     Source: spec sections 0-3 and 6 (``../shared/spec/certificates.md``).
     """
-    return certificates(logits, (rule,), return_q=return_q, top_k=top_k)[0]
+    return certificates(logits, (rule,), return_q=return_q, top_k=top_k, axis_name=axis_name)[0]

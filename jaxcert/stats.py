@@ -19,7 +19,7 @@ class DistributionStats:
       greedy_token: int32 ``x0 = argmax p`` (lowest index among ties).
       top1: ``p(x0)``.
       top_coverage: total probability of the ``top`` most probable tokens.
-      margin: ``gamma = p(x0) - p(x2)``.
+      margin: ``gamma``, the top-1 probability minus the runner-up's (not the third's).
       entropy: ``H(p)`` in nats.
     """
 
@@ -49,10 +49,9 @@ def distribution_stats(logits: jax.typing.ArrayLike, *, top: int = 10) -> Distri
         raise ValueError(f"logits must be floating [..., V], got {x.dtype} {x.shape}")
     if top < 1:
         raise ValueError(f"top must be >= 1, got {top}")
-    x = x.astype(jnp.float64 if x.dtype == jnp.float64 else jnp.float32)
+    x = x.astype(_numerics.compute_dtype(x.dtype))
     vals, idx = _numerics.top_k(x, min(max(top, 2), x.shape[-1]))
-    x_max = jnp.max(x, axis=-1)
-    total = jnp.sum(jnp.exp(x - x_max[..., None]), axis=-1)
+    x_max, total = _numerics.normalizer(x)
     lse = x_max + jnp.log(total)
     entropy = _numerics.entropy(x, x_max, total)
     top1 = jnp.exp(vals[..., 0] - lse)

@@ -1,5 +1,19 @@
 """Llama / Qwen2 / Qwen3 decoders in Flax NNX with a KV cache, and their loaders.
 
+Installed as ``jaxcert.models`` (the repository keeps it in the top-level folder ``models/``).
+
+Shape letters, one meaning each across this package (and the same as in ``jaxcert``):
+
+=====  =========================================  =====  ==================================
+B      batch rows                                 E      hidden (model) width
+T      new tokens of one call                     F      MLP width
+S      cache slots                                H      query heads
+V      vocabulary                                 G      key/value heads
+L      layers                                     J      query heads per key/value head
+P      entries kept by ``KVCache.select``         D      head dim
+Q      flattened query width ``H * D``            O      a projection's output width
+=====  =========================================  =====  ==================================
+
 Example::
 
   from flax import nnx
@@ -14,19 +28,21 @@ Example::
   cache = cache.commit(tokens.shape[1])
 """
 
-from jaxcert.models._load import load
+from jaxcert.models._load import check_same_vocabulary, load
 from jaxcert.models._weights import LoadedModel
 from jaxcert.models.cache import KVCache
 from jaxcert.models.config import ModelConfig
 from jaxcert.models.gguf import load_gguf
 from jaxcert.models.hf import load_hf
-from jaxcert.models.transformer import Transformer, forward, truncate
+from jaxcert.models.transformer import Transformer, decode_step, forward, truncate
 
 __all__ = [
     "KVCache",
     "LoadedModel",
     "ModelConfig",
     "Transformer",
+    "check_same_vocabulary",
+    "decode_step",
     "forward",
     "load",
     "load_gguf",

@@ -6,11 +6,11 @@ import os
 import pathlib
 
 import jax.numpy as jnp
+
+from jaxcert import assets
 from jaxcert.models._weights import LoadedModel
 from jaxcert.models.gguf import load_gguf
 from jaxcert.models.hf import load_hf
-
-from jaxcert import assets
 
 
 def load(name_or_path: str | os.PathLike, *, dtype=jnp.float32) -> LoadedModel:
@@ -41,3 +41,38 @@ def load(name_or_path: str | os.PathLike, *, dtype=jnp.float32) -> LoadedModel:
     else:
         return load_gguf(fetched, dtype=dtype)
     raise ValueError(f"Cannot load {str(name_or_path)!r}; tried: " + "; ".join(tried) + ".")
+
+
+def _config_of(model):
+    if hasattr(model, "vocab_size"):  # a ModelConfig
+        return model
+    module = getattr(model, "model", model)
+    return getattr(module, "config", None)
+
+
+def check_same_vocabulary(target, drafter) -> None:
+    """Raises ``ValueError`` unless target and drafter share one vocabulary (and tokenizer).
+
+    The one vocabulary check of the package (speculative decoding, drafter training).
+
+    Args:
+      target, drafter: each a :class:`LoadedModel`, an ``nnx.Module`` with a ``config``, or a
+        :class:`ModelConfig`; sides without a config (a ``(graphdef, params)`` pair) or
+        without a tokenizer are not compared.
+
+    Raises:
+      ValueError: the vocabulary sizes (logit rows) differ, or both sides carry tokenizers
+        whose vocabularies differ.
+    """
+    tc, dc = _config_of(target), _config_of(drafter)
+    if tc is not None and dc is not None and tc.vocab_size != dc.vocab_size:
+        raise ValueError(
+            f"vocabulary mismatch: the target has {tc.vocab_size} logit rows, the drafter "
+            f"{dc.vocab_size}; speculative decoding needs one vocabulary"
+        )
+    tt, dt = getattr(target, "tokenizer", None), getattr(drafter, "tokenizer", None)
+    if tt is not None and dt is not None and tt.get_vocab() != dt.get_vocab():
+        raise ValueError(
+            f"tokenizer mismatch: the target has {len(tt)} tokens, the drafter {len(dt)}; "
+            "speculative decoding needs one tokenizer"
+        )

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
 from jaxcert.models.config import ModelConfig
 from jaxcert.models.transformer import Transformer
 

@@ -1,8 +1,8 @@
 """Key/value cache with a per-row committed length, rollback and tree-path selection.
 
-Shapes: B batch rows, S cache slots, L layers, Hkv key/value heads, D head dim, P selected path
-length. Buffers are `[B, Hkv, S, D]` (heads before slots): the attention dots then need no
-transposed copy of the cache (with `[B, S, Hkv, D]` XLA on CPU copies every layer's buffer per
+Shapes: B batch rows, S cache slots, L layers, G key/value heads, D head dim, P selected path
+length. Buffers are `[B, G, S, D]` (heads before slots): the attention dots then need no
+transposed copy of the cache (with `[B, S, G, D]` XLA on CPU copies every layer's buffer per
 step; measured 4x slower attention at B=8, S=2048). Slots `[0, length[b])` of row b hold
 committed entries; everything at or beyond `length[b]` is stale and is never attended (see
 `models.transformer`).
@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 from jax.typing import ArrayLike
+
 from jaxcert.models.config import ModelConfig
 
 
@@ -26,13 +27,13 @@ class KVCache:
     cache with the same `length`; the caller then `commit`s, `rollback`s or `select`s.
 
     Attributes:
-      keys: L arrays `[B, Hkv, S, D]`, keys after RoPE (separate buffers per layer).
-      values: L arrays `[B, Hkv, S, D]`.
+      keys: L arrays `[B, G, S, D]`, keys after RoPE (separate buffers per layer).
+      values: L arrays `[B, G, S, D]`.
       length: `[B]` int32, committed tokens per row (rows may differ).
     """
 
-    keys: tuple[jax.Array, ...]  # L × [B, Hkv, S, D]
-    values: tuple[jax.Array, ...]  # L × [B, Hkv, S, D]
+    keys: tuple[jax.Array, ...]  # L × [B, G, S, D]
+    values: tuple[jax.Array, ...]  # L × [B, G, S, D]
     length: jax.Array  # [B] int32
 
     @classmethod

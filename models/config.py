@@ -45,7 +45,7 @@ class ModelConfig:
       intermediate_size: F, width of the SwiGLU MLP.
       num_layers: L, number of transformer blocks.
       num_heads: H, query heads.
-      num_kv_heads: Hkv, key/value heads (GQA); divides `num_heads`.
+      num_kv_heads: G, key/value heads (GQA); divides `num_heads`.
       head_dim: D, width of one head.
       rope_theta: RoPE base frequency.
       rope_layout: 'half' (Hugging Face rotate_half, NeoX: dims i and i + D/2 rotate together)
@@ -113,7 +113,7 @@ class ModelConfig:
 
     @property
     def queries_per_kv_head(self) -> int:
-        """R = H // Hkv, query heads sharing one key/value head."""
+        """J = H // G, query heads sharing one key/value head."""
         return self.num_heads // self.num_kv_heads
 
     @classmethod

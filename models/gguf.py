@@ -21,11 +21,11 @@ import gguf
 import jax.numpy as jnp
 import numpy as np
 import safetensors
+
+from jaxcert import _paths
 from jaxcert.models._tokenizer import tokenizer_from_gguf
 from jaxcert.models._weights import LoadedModel, hf_layout, model_from_tensors
 from jaxcert.models.config import ModelConfig
-
-from jaxcert import _paths
 
 _CACHE_VERSION = "2"
 _GLOBAL_NAMES = {

@@ -10,6 +10,7 @@ from collections.abc import Iterator, Mapping
 import jax.numpy as jnp
 import numpy as np
 import safetensors
+
 from jaxcert.models._weights import LoadedModel, model_from_tensors
 from jaxcert.models.config import ModelConfig
 

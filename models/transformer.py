@@ -1,8 +1,9 @@
 """Flax NNX decoder-only transformer (llama / qwen2 / qwen3) over a `KVCache`.
 
-Shape letters (also the einsum letters): B batch, T new tokens, S cache slots, V vocabulary,
-E hidden size, F MLP width, H query heads, G key/value heads (Hkv), R = H // G query heads per
-key/value head, D head dim, and Q = H*D, K = G*D for the flattened projection widths.
+Shape letters (also the einsum letters; the package's, see `jaxcert.models`): B batch,
+T new tokens, S cache slots, V vocabulary, E hidden size, F MLP width, H query heads, G
+key/value heads, J = H // G query heads per key/value head, D head dim, Q = H*D the flattened
+query width and O a projection's output width (Q or G*D).
 
 Layout choices, measured with XLA on a 2-core CPU (Qwen2.5-0.5B sizes):
 - projection kernels are 2-D `[in, out]`: 2-3x faster than `[out, in]` for 2-16 rows (batched
@@ -21,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax import lax
+
 from jaxcert.models.cache import KVCache
 from jaxcert.models.config import ModelConfig
 
@@ -84,12 +86,12 @@ class Attention(nnx.Module):
         param = lambda *shape: nnx.Param(_INIT(rngs.params(), shape, param_dtype))
         zeros = lambda n: nnx.Param(jnp.zeros((n,), param_dtype)) if c.qkv_bias else None
         self.q_proj = param(e, q)  # [E, Q]
-        self.k_proj = param(e, kv)  # [E, K]
-        self.v_proj = param(e, kv)  # [E, K]
+        self.k_proj = param(e, kv)  # [E, G*D]
+        self.v_proj = param(e, kv)  # [E, G*D]
         self.o_proj = param(q, e)  # [Q, E]
         self.q_bias = zeros(q)  # [Q] or None
-        self.k_bias = zeros(kv)  # [K] or None
-        self.v_bias = zeros(kv)  # [K] or None
+        self.k_bias = zeros(kv)  # [G*D] or None
+        self.v_bias = zeros(kv)  # [G*D] or None
         self.o_bias = nnx.Param(jnp.zeros((e,), param_dtype)) if c.o_bias else None  # [E]
         norm = lambda: RMSNorm(c.head_dim, eps=c.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
         self.q_norm = norm() if c.qk_norm else None
@@ -99,7 +101,7 @@ class Attention(nnx.Module):
 
     def _project(self, x: jax.Array, w: nnx.Param, b: nnx.Param | None) -> jax.Array:
         """`[B, T, E]` -> `[B, T, N, D]` for N heads."""
-        y = jnp.einsum("BTE,EK->BTK", x, w[...].astype(self.dtype))
+        y = jnp.einsum("BTE,EO->BTO", x, w[...].astype(self.dtype))
         y = y if b is None else y + b[...].astype(self.dtype)
         return y.reshape(*x.shape[:2], -1, self.config.head_dim)
 
@@ -129,13 +131,13 @@ class Attention(nnx.Module):
 
         b, t = x.shape[:2]
         g, r, d = c.num_kv_heads, c.queries_per_kv_head, c.head_dim
-        q = q.reshape(b, t, g, r, d).transpose(0, 2, 3, 1, 4)  # [B, G, R, T, D]
+        q = q.reshape(b, t, g, r, d).transpose(0, 2, 3, 1, 4)  # [B, G, J, T, D]
         q = q * jnp.asarray(d**-0.5, q.dtype)
         kk = k_buf.astype(self.dtype)
-        scores = jnp.einsum("BGRTD,BGSD->BGRTS", q, kk, preferred_element_type=jnp.float32)
+        scores = jnp.einsum("BGJTD,BGSD->BGJTS", q, kk, preferred_element_type=jnp.float32)
         scores = jnp.where(mask[:, None, None], scores, _MASKED)
-        probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)  # [B, G, R, T, S]
-        out = jnp.einsum("BGRTS,BGSD->BTGRD", probs, v_buf.astype(self.dtype))
+        probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)  # [B, G, J, T, S]
+        out = jnp.einsum("BGJTS,BGSD->BTGJD", probs, v_buf.astype(self.dtype))
         out = out.reshape(b, t, c.num_heads * d)  # [B, T, Q]
         y = jnp.einsum("BTQ,QE->BTE", out, self.o_proj[...].astype(self.dtype))
         if self.o_bias is not None:
@@ -327,6 +329,32 @@ def forward(
     Compiles once per shape of `tokens`/`cache` and per option set.
     """
     return nnx.merge(graphdef, state)(tokens, cache, **kwargs)
+
+
+def decode_step(
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    token: jax.Array,
+    cache: KVCache,
+    active: jax.Array,
+) -> tuple[jax.Array, KVCache]:
+    """One autoregressive step: feeds `token` (`[B]` int32) and commits it on `active` rows.
+
+    The step of every target-only loop of the package (`jaxcert certify`'s greedy scan and
+    the decoder's target-only baseline), so both read the same logits.
+
+    Args:
+      graphdef, state: the model, split with `nnx.split`.
+      token: `[B]` int32, the token each row appends.
+      cache: the KV cache (`[B, ...]`).
+      active: `[B]` bool; inactive rows compute but do not commit their entry.
+
+    Returns:
+      `(logits, cache)`: `[B, V]` logits of the next position, and the cache with one more
+      committed entry on the active rows.
+    """
+    logits, cache = forward(graphdef, state, token[:, None], cache)
+    return logits[:, 0], cache.commit(active.astype(jnp.int32))
 
 
 def truncate(model: Transformer, num_layers: int) -> Transformer:

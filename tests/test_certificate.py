@@ -130,7 +130,11 @@ def test_golden_float32_matches_float64_on_same_input(case, x64):
     assert _close(c32.value, case["expected"], 1e-5, 1e-9)
 
 
-@pytest.mark.parametrize("vocab, top_k", [(2, 64), (3, 1), (5, 2), (13, 64), (13, 3), (40, 4)])
+@pytest.mark.parametrize(
+    "vocab, top_k",
+    [(2, 64), (3, 1), (5, 2), (13, 64), (13, 3), (40, 4)],
+    ids=lambda v: str(v),
+)
 def test_random_against_reference(vocab, top_k, x64):
     rng = np.random.default_rng(vocab + 1000 * top_k)
     p = _random_distributions(rng, vocab, 36)

@@ -92,7 +92,7 @@ def test_smooth_variants_and_ratio(x64):
     check_grads(lambda a: jnp.sum(losses.certificate_violation_softplus(a, t, rule)), (d,),
                 order=1, modes=["rev"], eps=1e-6, atol=1e-6, rtol=1e-6)  # fmt: skip
     ratio = np.asarray(losses.certificate_ratio(d, t, rule, eps=1e-3))
-    kl = np.asarray(losses.kl_divergence(t, d))
+    kl = np.asarray(losses.kl_divergence(drafter_logits=d, target_logits=t))
     c = np.asarray(losses.certificate_value(t, rule))
     np.testing.assert_allclose(ratio, kl / (c + 1e-3), rtol=1e-12)
     check_grads(lambda a: jnp.sum(losses.certificate_ratio(a, t, rule)), (d,),
@@ -102,7 +102,7 @@ def test_smooth_variants_and_ratio(x64):
 def test_zero_iff_certified_with_margin(x64):
     d, t = _pair(5, shape=(40, 7), spread=0.4)
     rule = R.StrictGreedy()
-    kl = np.asarray(losses.kl_divergence(t, d))
+    kl = np.asarray(losses.kl_divergence(drafter_logits=d, target_logits=t))
     c = np.asarray(losses.certificate_value(t, rule))
     for margin in (0.0, 0.02):
         loss = np.asarray(losses.certificate_violation(d, t, rule, margin=margin))

@@ -72,6 +72,28 @@ def test_parse_rules_and_aliases():
         (lambda: R.parse_rules("greedy,greedy"), "given twice"),
         (lambda: R.parse_rules(" , "), "no rules"),
     ],
+    ids=[
+        "Additive(0.0)",
+        "Additive(1.5)",
+        "Additive(math.nan)",
+        "Additive(str)",
+        "Multiplicative(1.0)",
+        "TargetTopK(0)",
+        "TargetTopK(2.0)",
+        "TargetTopK(True)",
+        "Typical(eps=0.0)",
+        "Typical(delta=-1.0)",
+        "Typical(delta=math.inf)",
+        "TreeCoverage(0)",
+        "TreeCoverage(2,base=TreeCoverage(2))",
+        "parse_rule(nonsense)",
+        "parse_rule(additive)",
+        "parse_rule(additive:x)",
+        "parse_rule(greedy+additive:0.1)",
+        "parse_rule(tree:2+tree:3)",
+        "parse_rules(greedy,greedy)",
+        "parse_rules(,)",
+    ],
 )
 def test_invalid_rules_raise_clear_errors(make, message):
     with pytest.raises(ValueError, match=message):

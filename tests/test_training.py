@@ -176,6 +176,7 @@ def test_cli_train_drafter_end_to_end(tmp_path):
     "flag, value",
     [("--draft-length", "0"), ("--train-steps", "0"), ("--batch-size", "0"),
      ("--learning-rate", "nan"), ("--width", "0"), ("--heldout", "1.5")],
+    ids=lambda v: v.lstrip("-"),
 )  # fmt: skip
 def test_cli_train_drafter_rejects_bad_options_when_parsing(flag, value, capsys):
     from jaxcert import cli

@@ -9,6 +9,7 @@ import numpy as np
 import safetensors.numpy
 import tiny_models
 import transformers
+
 from jaxcert.models._weights import hf_layout
 from jaxcert.models.config import ModelConfig
 

@@ -197,7 +197,7 @@ def run(args) -> int:
         del target
         gc.collect()
         drafter = models.load(args.drafter, dtype=jnp.float32)
-    training.check_vocabularies(target_config, drafter.config)
+    models.check_same_vocabulary(target_config, drafter.config)
     if saved is not None:
         features = saved
     else:

@@ -1,5 +1,18 @@
 """Speculative decoding with a target and a drafter sharing a vocabulary (jitted, batched).
 
+Shape letters (with ``jaxcert``'s B, T, V, M):
+
+=====  ====================================================================
+S      sequence / cache slots
+K      draft length (depth of a chain or tree)
+N      draft-tree nodes (the root excluded)
+X      expanded nodes (whose drafter distribution was computed: root and frontier)
+R      rounds of one jitted call
+=====  ====================================================================
+
+Any model with the :class:`~jaxcert.decoding.protocols.DecoderModel` surface can be a
+target or a drafter.
+
 Example::
 
   from jaxcert import models
@@ -31,11 +44,14 @@ from jaxcert.decoding.policies import (
     PolicyParams,
     parse_policy,
 )
+from jaxcert.decoding.protocols import Cache, DecoderModel
 from jaxcert.decoding.state import DecodeState, DraftTree, NodeStats, PolicyState, RoundStats
 from jaxcert.decoding.tree import Chain, DynamicTree, StaticTree, parse_tree
 from jaxcert.decoding.verify import Verification, in_accepted_set, parse_verify
 
 __all__ = [
+    "Cache",
+    "DecoderModel",
     "Certified",
     "Chain",
     "Confidence",

@@ -16,10 +16,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxcert import models
 from jaxcert._validate import check_int
 from jaxcert.decoding import loop
 from jaxcert.decoding import policies as policies_lib
+from jaxcert.decoding.config import DecodeConfig, Sizes, check_sampling
+from jaxcert.decoding.protocols import DecoderModel
 from jaxcert.decoding.state import RoundStats
+from jaxcert.prompts import pad_prompts
 
 __all__ = [
     "COMPILER_OPTIONS",
@@ -68,7 +72,18 @@ def split_model(model) -> tuple[nnx.GraphDef, nnx.State]:
     module = getattr(model, "model", model)
     if not isinstance(module, nnx.Module):
         raise ValueError(f"expected a models.LoadedModel or an nnx.Module, got {type(model)}")
+    if not isinstance(module, DecoderModel):
+        missing = [a for a in ("config", "dtype", "features", "project") if not hasattr(module, a)]
+        raise ValueError(
+            f"{type(module).__name__} lacks {', '.join(missing)}: a target or drafter needs the "
+            "jaxcert.decoding.protocols.DecoderModel surface"
+        )
     return nnx.split(module)
+
+
+def _padded(prompts, width, minimum, vocab_size):
+    tokens, lengths = pad_prompts(prompts, width=width, minimum=minimum, vocab_size=vocab_size)
+    return jnp.asarray(tokens), jnp.asarray(lengths)
 
 
 def _vocab_size(model) -> int | None:
@@ -81,55 +96,8 @@ def _config_of(model):
     return getattr(module, "config", None)
 
 
-def check_pair(target, drafter) -> None:
-    """Raises a ``ValueError`` unless target and drafter share the vocabulary (and tokenizer)."""
-    tc, dc = _config_of(target), _config_of(drafter)
-    if tc is not None and dc is not None and tc.vocab_size != dc.vocab_size:
-        raise ValueError(
-            f"target and drafter vocabularies differ: the target has {tc.vocab_size} logit "
-            f"rows, the drafter {dc.vocab_size}; speculative decoding needs one vocabulary"
-        )
-    tt, dt = getattr(target, "tokenizer", None), getattr(drafter, "tokenizer", None)
-    if tt is not None and dt is not None and tt.get_vocab() != dt.get_vocab():
-        raise ValueError(
-            f"target and drafter tokenizers differ (target {len(tt)} tokens, drafter "
-            f"{len(dt)} tokens); speculative decoding needs one tokenizer"
-        )
-
-
-def _pad_prompts(
-    prompts: Sequence[Sequence[int]],
-    width: int | None,
-    minimum: int,
-    vocab_size: int | None = None,
-):
-    """``[B, W]`` int32 padded prompts and ``[B]`` lengths, after checking every token id."""
-    if len(prompts) == 0:
-        raise ValueError("no prompts")
-    if any(isinstance(p, (int, np.integer)) for p in prompts):
-        raise ValueError("prompts must be a list of token-id sequences (one per row)")
-    rows = [np.asarray(p) for p in prompts]
-    for i, ids in enumerate(rows):
-        if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
-            raise ValueError(f"prompt {i}: expected a sequence of integer token ids")
-        high = np.iinfo(np.int32).max if vocab_size is None else vocab_size
-        if ids.size and (ids.min() < 0 or ids.max() >= high):
-            raise ValueError(
-                f"prompt {i}: token ids must be in [0, {vocab_size}), got {ids.min()}..{ids.max()}"
-            )
-    lengths = np.array([len(p) for p in rows], np.int32)
-    if lengths.min() < minimum:
-        raise ValueError(
-            f"every prompt needs at least {minimum} tokens; prompt {int(lengths.argmin())} "
-            f"has {lengths.min()}"
-        )
-    w = int(lengths.max()) if width is None else width
-    if w < lengths.max():
-        raise ValueError(f"prompt_width={w} is shorter than the longest prompt ({lengths.max()})")
-    out = np.zeros((len(prompts), w), np.int32)
-    for row, ids in enumerate(rows):
-        out[row, : len(ids)] = ids
-    return jnp.asarray(out), jnp.asarray(lengths)
+check_pair = models.check_same_vocabulary
+"""Raises ``ValueError`` unless target and drafter share one vocabulary (and tokenizer)."""
 
 
 def _compile(fn, args: tuple, static: dict):
@@ -162,7 +130,7 @@ def speculative_decode(
     prompts: Sequence[Sequence[int]],
     *,
     policy: policies_lib.Policy,
-    config: loop.DecodeConfig,
+    config: DecodeConfig,
     key: jax.Array | None = None,
     prompt_width: int | None = None,
     progress: Callable[[int], None] | None = None,
@@ -173,7 +141,7 @@ def speculative_decode(
       target, drafter: ``models.LoadedModel`` or ``nnx.Module`` (same vocabulary).
       prompts: ``B`` token-id sequences, each of length >= 2.
       policy: the draft-length policy (:func:`~jaxcert.decoding.policies.parse_policy`).
-      config: a :class:`~jaxcert.decoding.loop.DecodeConfig`.
+      config: a :class:`~jaxcert.decoding.config.DecodeConfig`.
       key: PRNG key (sampling); default ``jax.random.key(0)``.
       prompt_width: pad prompts to this width (share one compilation across batches).
       progress: called with the number of new output tokens after every call.
@@ -187,9 +155,9 @@ def speculative_decode(
     check_pair(target, drafter)
     t_graph, t_params = split_model(target)
     d_graph, d_params = split_model(drafter)
-    prompt, lengths = _pad_prompts(prompts, prompt_width, 2, _vocab_size(target))
+    prompt, lengths = _padded(prompts, prompt_width, 2, _vocab_size(target))
     key = jax.random.key(0) if key is None else key
-    sizes = loop.Sizes.for_prompts(prompt.shape[1], config, config.max_new_tokens)
+    sizes = Sizes.for_prompts(prompt.shape[1], config, config.max_new_tokens)
     params = policies_lib.PolicyParams.from_policy(policy)
     if isinstance(config.tree, loop.tree_lib.Chain) and policy.k_max > config.max_draft:
         params = params.replace(k_max=jnp.asarray(config.max_draft, jnp.int32))
@@ -240,12 +208,12 @@ def target_decode(
 
     Arguments as in :func:`speculative_decode`; prompts need at least 1 token.
     """
-    loop.check_sampling(temperature, top_p)
+    check_sampling(temperature, top_p)
     check_int("max_new_tokens", max_new_tokens)
     graph, params = split_model(target)
-    prompt, lengths = _pad_prompts(prompts, prompt_width, 1, _vocab_size(target))
+    prompt, lengths = _padded(prompts, prompt_width, 1, _vocab_size(target))
     key = jax.random.key(0) if key is None else key
-    sizes = loop.Sizes.for_prompts(prompt.shape[1], None, max_new_tokens)
+    sizes = Sizes.for_prompts(prompt.shape[1], None, max_new_tokens)
     t0 = time.perf_counter()
     pre_args = (params, prompt, lengths, key)
     pre = _compile(loop.prefill_target, pre_args, {"graph": graph, "sizes": sizes})

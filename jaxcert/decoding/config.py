@@ -86,7 +86,7 @@ class DecodeConfig:
 
     @property
     def depth(self) -> int:
-        """``D``: the deepest drafted node."""
+        """``K``: the deepest drafted node."""
         return self.max_draft if isinstance(self.tree, tree_lib.Chain) else self.tree.depth
 
     @property

@@ -5,7 +5,7 @@ chains): a branch's row holds its own ancestors, so every draft step is a plain 
 forward of ``B * M`` rows (the model's cache API lets a token see all committed entries of its
 row, so branches of one row cannot share a cache row). All virtual rows of a row share the
 committed prefix. Dynamic trees re-point a frontier slot to another parent by copying that
-parent's row segment (``D`` slots) before the step.
+parent's row segment (``K`` slots) before the step.
 
 Step 0 re-reads ``s[drafter_start:n)`` (static width ``W``) on one virtual row per row, copies
 it to the others, and projects only the last real position through the lm-head. Then, while a
@@ -106,7 +106,7 @@ def _next_token(key, q, sampling, temperature, top_p):
 
 
 def _init_nodes(q_root, tok, logq, valid, m, max_depth, dynamic):
-    """Node buffers holding the root's children, and the ``[B, E, V]`` drafter-logit buffer."""
+    """Node buffers holding the root's children, and the ``[B, X, V]`` drafter-logit buffer."""
     b, v = q_root.shape
     q_buf = jnp.zeros((b, 1 + (max_depth - 1) * m, v), jnp.float32).at[:, 0].set(q_root)
     pool = m + (max_depth - 1) * m * m if dynamic else m * max_depth
@@ -192,7 +192,7 @@ def draft(
       limit: ``[B]`` int32 deepest useful depth (the token budget; at least 1).
       policy, policy_state: the draft-length policy.
       key: PRNG key (sampling).
-      shape: chain, static or dynamic tree; ``max_depth`` its depth ``D``; ``width`` ``W``.
+      shape: chain, static or dynamic tree; ``max_depth`` its depth ``K``; ``width`` ``W``.
       sampling, temperature, top_p: draw instead of taking the drafter's top choices.
 
     Returns:

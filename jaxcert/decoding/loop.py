@@ -26,11 +26,11 @@ from jaxcert.decoding import node_stats as stats_lib
 from jaxcert.decoding import policies as policies_lib
 from jaxcert.decoding import tree as tree_lib
 from jaxcert.decoding.config import DecodeConfig, Sizes
-from jaxcert.decoding.config import check_sampling as check_sampling  # re-export (api)
 from jaxcert.decoding.draft import draft
 from jaxcert.decoding.state import DecodeState, RoundStats
 from jaxcert.decoding.verify import in_accepted_set, sample_tree, sampling_log_probs
 from jaxcert.models.cache import KVCache
+from jaxcert.models.transformer import decode_step
 from jaxcert.models.transformer import forward as _forward
 
 __all__ = [
@@ -365,12 +365,12 @@ def run_target_steps(
         active = ~state.done
         key, sub = jax.random.split(state.key)
         last = state.tokens[rows, state.length - 1]
-        logits, cache = _forward(graph, params, last[:, None], state.target_cache)
+        logits, cache = decode_step(graph, params, last, state.target_cache, active)
         if temperature > 0:
-            lp = sampling_log_probs(logits[:, 0], temperature, top_p)
+            lp = sampling_log_probs(logits, temperature, top_p)
             token = jax.random.categorical(sub, lp, axis=-1).astype(jnp.int32)
         else:
-            token = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+            token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         step = active.astype(jnp.int32)
         slot = jnp.where(active, state.length, state.tokens.shape[1])
         tokens = state.tokens.at[rows, slot].set(token, mode="drop")
@@ -382,7 +382,7 @@ def run_target_steps(
             tokens=tokens,
             length=length,
             done=state.done | (active & finished),
-            target_cache=cache.commit(step),
+            target_cache=cache,
             key=key,
             rounds=state.rounds + step,
         )

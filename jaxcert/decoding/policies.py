@@ -36,6 +36,7 @@ from flax import struct
 from jaxcert import _numerics
 from jaxcert._validate import check_int as _check_int
 from jaxcert.decoding.state import PolicyState
+from jaxcert.stats import distribution_stats
 
 __all__ = [
     "Constant",
@@ -293,16 +294,10 @@ def drafter_features(q_logits: jax.Array) -> DrafterFeatures:
     ``gamma = q1 - q2`` (the value :func:`jaxcert.certificate` returns for ``StrictGreedy``;
     tested equal), evaluated without cancellation.
     """
-    x = q_logits.astype(jnp.float32)
-    top2, _ = _numerics.top_k(x, 2)
-    x_max = top2[..., 0]
-    total = jnp.sum(jnp.exp(x - x_max[..., None]), axis=-1)
-    entropy = _numerics.entropy(x, x_max, total)
-    q1 = 1.0 / total
-    ratio = jnp.exp(top2[..., 1] - x_max)  # q2 / q1
-    s = q1 * (1.0 + ratio)
-    cert = s * _numerics.binary_kl_uniform(-jnp.expm1(top2[..., 1] - x_max) / (1.0 + ratio))
-    return DrafterFeatures(top=q1, entropy=entropy, cert=cert)
+    st = distribution_stats(q_logits, top=2)
+    s = 2.0 * st.top1 - st.margin  # q1 + q2
+    cert = s * _numerics.binary_kl_uniform(st.margin / s)
+    return DrafterFeatures(top=st.top1, entropy=st.entropy, cert=cert)
 
 
 def init_policy_state(params: PolicyParams, batch: int) -> PolicyState:

@@ -1,8 +1,9 @@
 """Frozen pytrees carried by the speculative decoder.
 
-Shape letters (STYLE.md): B batch rows, S sequence / cache slots, V vocabulary, N draft-tree
-nodes (the root excluded), E expanded nodes (nodes whose drafter distribution was computed: the
-root and every frontier node), M branching (top-m), K = D draft depth, R rounds of one call.
+Shape letters: the package's (see :mod:`jaxcert.decoding`): B batch rows, S sequence / cache
+slots, V vocabulary, N draft-tree nodes (the root excluded), X expanded nodes (nodes whose
+drafter distribution was computed: the root and every frontier node), M branching (top-m),
+K draft depth (the draft length of a chain), R rounds of one call.
 
 Sequence bookkeeping, per row ``b`` with ``n = length[b]`` tokens ``s[0..n)`` (prompt and
 output): the target cache has committed ``n - 1`` entries (every token but the last, the
@@ -40,7 +41,7 @@ class DraftTree:
         choice, its argmax when drafting greedily).
       valid: ``[B, N]`` bool, drafted this round (``False``: padding, never accepted).
       q_index: ``[B, N]`` int32 row of ``q_logits`` that holds the parent's drafter logits.
-      q_logits: ``[B, E, V]`` float32 drafter logits at the expanded nodes (row 0: the root).
+      q_logits: ``[B, X, V]`` float32 drafter logits at the expanded nodes (row 0: the root).
     """
 
     NO_PARENT: ClassVar[int] = -1
@@ -52,7 +53,7 @@ class DraftTree:
     rank: jax.Array  # [B, N]
     valid: jax.Array  # [B, N]
     q_index: jax.Array  # [B, N]
-    q_logits: jax.Array  # [B, E, V]
+    q_logits: jax.Array  # [B, X, V]
 
     @property
     def num_nodes(self) -> int:

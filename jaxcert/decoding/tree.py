@@ -1,11 +1,11 @@
 """Draft-tree shapes, their static structure, tree attention masks and root-path acceptance.
 
-Shapes (``M`` branching, ``D`` depth):
+Shapes (``M`` branching, ``K`` depth):
 
 * :class:`Chain`: one token per depth (``M = 1``); the depth is the policy's draft length.
 * :class:`StaticTree` ``tree:MxD``: the root gets the drafter's top-``M`` children (``M``
   draws without replacement when sampling), then every child is extended by a chain (greedy,
-  or sampled) down to depth ``D``. ``N = M * D`` nodes, level-major; the policy decides the
+  or sampled) down to depth ``K``. ``N = M * K`` nodes, level-major; the policy decides the
   depth, reading the distribution of the branch with the highest drafter probability.
 * :class:`DynamicTree` ``dyntree:MxDxN``: EAGLE-2's dynamic tree. The frontier holds the
   ``M`` nodes of highest cumulative drafter log-probability; each depth expands every frontier
@@ -62,7 +62,7 @@ class StaticTree:
 
     Attributes:
       m: branching at the root, ``>= 1``.
-      depth: maximum depth ``D``, ``>= 1``.
+      depth: maximum depth ``K``, ``>= 1``.
     """
 
     m: int
@@ -137,7 +137,7 @@ def parse_tree(spec: str) -> TreeShape:
 
 @dataclasses.dataclass(frozen=True)
 class StaticStructure:
-    """Numpy structure of a chain or static tree of ``N = M * D`` level-major nodes.
+    """Numpy structure of a chain or static tree of ``N = M * K`` level-major nodes.
 
     Attributes:
       parent: ``[N]`` parent node index (``-1``: the root).
@@ -231,10 +231,10 @@ def path_offsets(on_path: jax.Array, depth: jax.Array, max_depth: int) -> jax.Ar
     Args:
       on_path: ``[B, N]`` bool nodes of the path (at most one per depth).
       depth: ``[B, N]`` int32 node depths.
-      max_depth: ``D``.
+      max_depth: ``K``.
 
     Returns:
-      ``[B, D + 1]`` int32: entry 0 is the root (position 0), entry ``d`` the position of the
+      ``[B, K + 1]`` int32: entry 0 is the root (position 0), entry ``d`` the position of the
       path's node at depth ``d`` (0 past the path's end).
     """
     b, n = on_path.shape

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxcert import _numerics
 from jaxcert import rules as rules_lib
 from jaxcert.decoding.tree import Chain, DynamicTree, TreeShape, parse_tree
 
@@ -49,7 +50,7 @@ class Verification:
     rule: rules_lib.SingleTokenRule | None = rules_lib.StrictGreedy()
 
     def __post_init__(self):
-        if self.rule is not None and not isinstance(self.rule, rules_lib._SINGLE):
+        if self.rule is not None and not isinstance(self.rule, rules_lib.SINGLE_TOKEN_RULES):
             raise ValueError(
                 f"verification rule must be a single-token rule or None (sampling), got "
                 f"{self.rule!r}; a tree is given by the tree shape (tree:MxD)"
@@ -103,7 +104,7 @@ def in_accepted_set(logits: jax.Array, tokens: jax.Array, rule) -> jax.Array:
       ``[...]`` bool. Matches the certificate solver's ``U`` (spec section 0).
     """
     rule = rule.upper_rule
-    x = logits.astype(jnp.float32)
+    x = logits.astype(_numerics.compute_dtype(logits.dtype))
     tokens = tokens.astype(jnp.int32)
     x_t = jnp.take_along_axis(x, tokens[..., None], axis=-1)[..., 0]
     if isinstance(rule, rules_lib.StrictGreedy):
@@ -112,19 +113,9 @@ def in_accepted_set(logits: jax.Array, tokens: jax.Array, rule) -> jax.Array:
     if isinstance(rule, rules_lib.TargetTopK):
         ahead = (x > x_t[..., None]) | ((x == x_t[..., None]) & (ids < tokens[..., None]))
         return jnp.sum(ahead, axis=-1) < rule.k
-    x_max = jnp.max(x, axis=-1)
-    shifted = x - x_max[..., None]
-    e = jnp.exp(shifted)
-    total = jnp.sum(e, axis=-1)
-    entropy = None
-    if rule.needs_entropy:
-        weighted = jnp.sum(jnp.where(e > 0, e * shifted, 0.0), axis=-1)
-        entropy = jnp.log(total) - weighted / total
-    threshold, inclusive = rule.upper_threshold(1.0 / total, entropy)
-    positive = threshold > 0
-    log_threshold = jnp.where(positive, jnp.log(jnp.where(positive, threshold, 1.0)), -jnp.inf)
-    rel = x_t - x_max
-    return rel >= log_threshold if inclusive else rel > log_threshold
+    x_max, total = _numerics.normalizer(x)
+    entropy = _numerics.entropy(x, x_max, total) if rule.needs_entropy else None
+    return rules_lib.in_upper_set(rule, x_t - x_max, -jnp.log(total), entropy)
 
 
 def sampling_log_probs(logits: jax.Array, temperature: float, top_p: float = 1.0) -> jax.Array:
@@ -193,7 +184,7 @@ def sample_tree(
       children: ``[B, T, M]`` int32 children of each position in drafting order (their node
         indices; ``-1``: none). Siblings must be draws without replacement from ``q``.
       expanded: ``[B, T]`` int32 row of ``q_logits`` holding each position's drafter logits.
-      q_logits: ``[B, E, V]`` drafter logits at the expanded nodes.
+      q_logits: ``[B, X, V]`` drafter logits at the expanded nodes.
       max_depth: the deepest node.
       temperature, top_p: sampling settings (static), applied to both models.
 

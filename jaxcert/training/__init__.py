@@ -22,15 +22,14 @@ signature as ``models.Transformer``).
 
 Modules: :mod:`~jaxcert.training.heads` (the nnx modules), :mod:`~jaxcert.training.features`
 (continuations, cached hidden states, target logits), :mod:`~jaxcert.training.train`
-(objectives, optimisation) and :mod:`~jaxcert.training.evaluate` (offline and decoder
+(objectives, optimisation) and :mod:`~jaxcert.training.evaluation` (offline and decoder
 acceptance).
 """
 
-from jaxcert.training.evaluate import chain_acceptance_length, decoder_acceptance, evaluate
+from jaxcert.training.evaluation import chain_acceptance_length, decoder_acceptance, evaluate
 from jaxcert.training.features import (
     Continuations,
     FeatureSet,
-    check_vocabularies,
     collect_features,
     feature_set,
     greedy_continuations,
@@ -49,7 +48,6 @@ __all__ = [
     "greedy_continuations",
     "teacher_forced_states",
     "feature_set",
-    "check_vocabularies",
     "Objective",
     "collect_features",
     "target_logits",

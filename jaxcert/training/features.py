@@ -15,15 +15,16 @@ from flax import nnx
 from jaxcert import certify, prompts
 from jaxcert import rules as rules_lib
 from jaxcert._validate import round_up
+from jaxcert.models import check_same_vocabulary
+from jaxcert.prompts import pad_prompts
 from jaxcert.training.heads import project
 
 if TYPE_CHECKING:
-    from jaxcert.models import KVCache, LoadedModel, ModelConfig
+    from jaxcert.models import KVCache, LoadedModel
 
 __all__ = [
     "Continuations",
     "FeatureSet",
-    "check_vocabularies",
     "collect_features",
     "feature_set",
     "greedy_continuations",
@@ -110,14 +111,14 @@ def teacher_forced_states(lm: LoadedModel, continuations: Continuations) -> np.n
     from jaxcert import models
 
     graphdef, state = nnx.split(lm.model)
-    lengths = [len(continuations.prompt_ids[i]) + len(g) for i, g in
-               continuations.generated.items()]  # fmt: skip
+    lengths = [
+        len(continuations.prompt_ids[i]) + len(g) for i, g in continuations.generated.items()
+    ]
     width = round_up(max(lengths), 64)
     out = []
     for i, generated in continuations.generated.items():
         ids = continuations.prompt_ids[i] + generated
-        tokens = np.zeros((1, width), np.int32)
-        tokens[0, : len(ids)] = ids
+        tokens, _ = pad_prompts([ids], width=width)
         cache = models.KVCache.create(lm.config, 1, width, dtype=lm.model.dtype)
         hidden = _features(graphdef, state, jnp.asarray(tokens), cache)[0]
         first = len(continuations.prompt_ids[i]) - 1  # predicts the first generated token
@@ -139,15 +140,6 @@ def feature_set(
     )
 
 
-def check_vocabularies(target_config: ModelConfig, drafter_config: ModelConfig) -> None:
-    """Raises ``ValueError`` when target and drafter vocabulary sizes differ."""
-    if target_config.vocab_size != drafter_config.vocab_size:
-        raise ValueError(
-            f"vocabulary mismatch: target V={target_config.vocab_size}, "
-            f"drafter V={drafter_config.vocab_size}"
-        )
-
-
 def collect_features(
     target_lm: LoadedModel,
     drafter_lm: LoadedModel,
@@ -162,7 +154,7 @@ def collect_features(
     Raises:
       ValueError: the two models have different vocabulary sizes.
     """
-    check_vocabularies(target_lm.config, drafter_lm.config)
+    check_same_vocabulary(target_lm.config, drafter_lm.config)
     conts = greedy_continuations(
         target_lm, prompt_set, steps=steps, batch_size=batch_size, progress=progress
     )

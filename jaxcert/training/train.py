@@ -39,7 +39,7 @@ class Objective:
 def _loss(head, d_graph, d_state, h_q, target_logits, objective: Objective):
     """The objective on one batch: ``(loss, (mean KL, mean violation))``."""
     drafter_logits = project(d_graph, d_state, head(h_q))
-    kl = losses.kl_divergence(target_logits, drafter_logits)
+    kl = losses.kl_divergence(drafter_logits=drafter_logits, target_logits=target_logits)
     loss = jnp.mean(kl)
     violation = jnp.zeros(())
     if objective.rule is not None:

@@ -7,12 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jaxcert.models import KVCache, forward
 from tiny_decoding import MAX_NEW, PROMPTS, WIDTH
 
 from jaxcert import decoding
 from jaxcert.decoding import api, loop
 from jaxcert.decoding.config import Sizes
+from jaxcert.models import KVCache, forward
+from jaxcert.prompts import pad_prompts
 
 
 @functools.partial(jax.jit, static_argnames=("graph", "slots"))
@@ -37,6 +38,7 @@ def _check_prefix(cache, row, model, tokens, n, slots):
         ("tree:2x3", dict(buckets=(6,))),
         ("dyntree:3x3x6", dict(buckets=(6,))),
     ],
+    ids=["chain-buckets2-4-6", "tree2x3", "dyntree3x3x6"],
 )
 def test_no_stale_cache_entries_after_rejections(target, drafters, verify, kw):
     drafter = drafters["unlike"]
@@ -46,7 +48,7 @@ def test_no_stale_cache_entries_after_rejections(target, drafters, verify, kw):
     )
     m = config.branching
     (t_graph, t_params), (d_graph, d_params) = nnx.split(target), nnx.split(drafter)
-    prompt, lengths = api._pad_prompts(PROMPTS, WIDTH, 2)
+    prompt, lengths = map(jnp.asarray, pad_prompts(PROMPTS, width=WIDTH, minimum=2))
     sizes = Sizes.for_prompts(WIDTH, config, MAX_NEW)
     policy = decoding.PolicyParams.from_policy(decoding.Constant(k=3))
     graphs = dict(t_graph=t_graph, d_graph=d_graph)

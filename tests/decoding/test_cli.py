@@ -7,10 +7,10 @@ import sys
 import numpy as np
 import pytest
 from flax import nnx
-from jaxcert.models._weights import hf_layout
 from tiny_decoding import CONFIG, random_model
 
 from jaxcert import cli
+from jaxcert.models._weights import hf_layout
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "models"))
 import tiny_models  # noqa: E402

@@ -114,6 +114,7 @@ def test_bad_token_ids_are_rejected(target, drafters, prompts, match):
         (dict(top_p=0.0), "top_p must be in"),
         (dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1"),
     ],
+    ids=["temperature-nan", "temperature-negative", "top_p-zero", "max_new_tokens-zero"],
 )
 def test_target_decode_checks_its_settings(target, kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -45,6 +45,17 @@ def _decide(policy, q_logits, drafted, state=None, survival=None):
         ("cert", P.Certified()),
         ("cert:0.5:0.3/16", P.Certified(lam=0.5, beta=0.3, k_max=16)),
     ],
+    ids=[
+        "constant:5",
+        "heuristic",
+        "heuristic:3/16",
+        "confidence",
+        "confidence:0.6",
+        "svip",
+        "svip:0.5/12",
+        "cert",
+        "cert:0.5:0.3/16",
+    ],
 )
 def test_parse_policy(spec, expected):
     assert P.parse_policy(spec) == expected

@@ -4,12 +4,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jaxcert.models import KVCache, forward
 from scipy import stats
 from tiny_decoding import CONFIG, random_model
 
 from jaxcert import decoding
 from jaxcert.decoding.verify import sampling_log_probs
+from jaxcert.models import KVCache, forward
 
 SMALL = CONFIG.__class__(**{**CONFIG.__dict__, "vocab_size": 8})
 PROMPT = [1, 2, 3]

@@ -14,6 +14,7 @@ from jaxcert.decoding import tree as T
         ("tree:4x6", T.StaticTree(m=4, depth=6)),
         ("dyntree:4x6x24", T.DynamicTree(m=4, depth=6, nodes=24)),
     ],
+    ids=["chain", "tree:4x6", "dyntree:4x6x24"],
 )
 def test_parse_tree(spec, expected):
     assert T.parse_tree(spec) == expected
@@ -63,6 +64,7 @@ def _tree():
         ([0, 1, 1, 1, 0, 1], 2, 1),  # children of a rejected node do not count
         ([1, 0, 1, 1, 0, 0], 3, 2),  # tie at depth 2: the lower node index
     ],
+    ids=["none", "one-branch", "deepest", "rejected-parent", "tie"],
 )
 def test_accept_longest_path(passes, best, length):
     parent, depth, mask = _tree()

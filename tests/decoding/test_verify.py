@@ -96,6 +96,14 @@ def test_sample_tree_single_node_is_exact_speculative_sampling():
         ("tree:2x4+sample", T.StaticTree(m=2, depth=4), None),
         ("dyntree:4x6x24+typical", T.DynamicTree(m=4, depth=6, nodes=24), R.Typical()),
     ],
+    ids=[
+        "greedy",
+        "additive:0.3",
+        "sample",
+        "tree:4x6",
+        "tree:2x4+sample",
+        "dyntree:4x6x24+typical",
+    ],
 )
 def test_parse_verify(spec, tree, rule):
     v = Vf.parse_verify(spec)

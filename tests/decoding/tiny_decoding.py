@@ -8,9 +8,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from tiny_models import tiny_config
+
 from jaxcert.models import ModelConfig
 from jaxcert.models.transformer import Transformer
-from tiny_models import tiny_config
 
 CONFIG = tiny_config(vocab_size=48)
 PROMPTS = [[5, 17, 3, 44, 9], [1, 2, 3, 4, 5, 6, 7, 8, 9], [30, 12, 7]]

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import tiny_models
 from flax import nnx
+
 from jaxcert.models import KVCache, forward
 
 CONFIG = tiny_models.tiny_config()

@@ -2,6 +2,7 @@
 
 import pytest
 import transformers
+
 from jaxcert.models import ModelConfig
 
 # The config.json of Qwen2.5-0.5B-Instruct as written by transformers 4.x.

@@ -7,11 +7,12 @@ import sys
 import gguf
 import jax
 import jax.numpy as jnp
-import jaxcert.models.gguf as gguf_module
 import numpy as np
 import pytest
 import tiny_models
 from flax import nnx
+
+import jaxcert.models.gguf as gguf_module
 from jaxcert.models import KVCache, forward, load_gguf
 from jaxcert.models._weights import model_from_tensors
 
@@ -52,7 +53,9 @@ def test_f32_gguf_matches_hf(written, tmp_path, name):
 
 
 @pytest.mark.parametrize(
-    "name, qtype", [("llama", Q.Q8_0), ("qwen2", Q.Q4_1), ("qwen2", Q.F16), ("qwen2", Q.BF16)]
+    "name, qtype",
+    [("llama", Q.Q8_0), ("qwen2", Q.Q4_1), ("qwen2", Q.F16), ("qwen2", Q.BF16)],
+    ids=["llama-Q8_0", "qwen2-Q4_1", "qwen2-F16", "qwen2-BF16"],
 )
 def test_quantised_gguf_matches_dequantised_weights(written, tmp_path, name, qtype):
     file, lm, tensors = written(name, qtype)

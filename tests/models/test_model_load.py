@@ -11,9 +11,9 @@ import pytest
 import safetensors.numpy
 import tiny_models
 from flax import nnx
-from jaxcert.models import KVCache, forward, load, load_hf
 
 from jaxcert import assets, models
+from jaxcert.models import KVCache, forward, load, load_hf
 
 STEP = jax.jit(forward, static_argnums=0)
 TOKENS = np.random.default_rng(0).integers(0, 64, (1, 7)).astype(np.int32)

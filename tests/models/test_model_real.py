@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
+
 from jaxcert.models import KVCache, forward, load
 
 pytestmark = pytest.mark.real

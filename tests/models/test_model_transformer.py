@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import tiny_models
 from flax import nnx
+
 from jaxcert.models import KVCache, Transformer, forward, truncate
 from jaxcert.models.transformer import apply_rope, rope_angles
 

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
 from jaxcert.models._weights import hf_layout
 from jaxcert.models.config import ModelConfig
 from jaxcert.models.transformer import Transformer

@@ -82,7 +82,7 @@ def evaluate(
         p_logits = project(t_graph, t_state, h_p)
         q_in = h_q if h_graph is None else nnx.merge(h_graph, h_state)(h_q)
         q_logits = project(d_graph, d_state, q_in)
-        kl = losses.kl_divergence(p_logits, q_logits)
+        kl = losses.kl_divergence(drafter_logits=q_logits, target_logits=p_logits)
         certs = certificates(p_logits, rules)
         certified = jnp.stack([kl < c.value for c in certs], axis=-1)
         return kl, certified, _numerics.top_k(q_logits, k)[1]
