@@ -31,6 +31,8 @@ def test_public_surface():
             "LoadedModel",
             "ModelConfig",
             "Transformer",
+            "check_same_vocabulary",
+            "decode_step",
             "forward",
             "load",
             "load_gguf",
