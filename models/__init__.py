@@ -26,6 +26,14 @@ Example::
   step = jax.jit(models.forward, static_argnums=0, donate_argnames="cache")
   logits, cache = step(graphdef, state, tokens, cache)   # tokens: [1, T] int32
   cache = cache.commit(tokens.shape[1])
+
+On several devices (`jaxcert.models.sharding`: tensor parallel over a ``"model"`` mesh axis,
+data parallel over ``"data"``; ``Auto`` axes)::
+
+  mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  lm = models.load("qwen2.5-coder-0.5b-instruct", mesh=mesh)   # each weight onto its shards
+  cache = models.KVCache.create(lm.config, batch_size=2, max_length=512, mesh=mesh)
+  # or: model = models.shard(model, mesh) for a model already in memory
 """
 
 from jaxcert.models._load import check_same_vocabulary, load
@@ -34,10 +42,13 @@ from jaxcert.models.cache import KVCache
 from jaxcert.models.config import ModelConfig
 from jaxcert.models.gguf import load_gguf
 from jaxcert.models.hf import load_hf
+from jaxcert.models.sharding import LOGICAL_RULES, Layout, shard
 from jaxcert.models.transformer import Transformer, decode_step, forward, truncate
 
 __all__ = [
+    "LOGICAL_RULES",
     "KVCache",
+    "Layout",
     "LoadedModel",
     "ModelConfig",
     "Transformer",
@@ -47,5 +58,6 @@ __all__ = [
     "load",
     "load_gguf",
     "load_hf",
+    "shard",
     "truncate",
 ]

@@ -6,14 +6,22 @@ import os
 import pathlib
 
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from jaxcert import assets
 from jaxcert.models._weights import LoadedModel
 from jaxcert.models.gguf import load_gguf
 from jaxcert.models.hf import load_hf
+from jaxcert.models.sharding import LOGICAL_RULES, check_mesh
 
 
-def load(name_or_path: str | os.PathLike, *, dtype=jnp.float32) -> LoadedModel:
+def load(
+    name_or_path: str | os.PathLike,
+    *,
+    dtype=jnp.float32,
+    mesh: Mesh | None = None,
+    rules=LOGICAL_RULES,
+) -> LoadedModel:
     """Loads a model from a Hugging Face folder, a `.gguf` file, or a `jaxcert.assets` name.
 
     Args:
@@ -21,16 +29,23 @@ def load(name_or_path: str | os.PathLike, *, dtype=jnp.float32) -> LoadedModel:
         asset name such as 'qwen2.5-coder-0.5b-instruct' (fetched with `jaxcert.assets.fetch`,
         then `load_gguf`).
       dtype: parameter and compute dtype.
+      mesh: place each weight directly on its shards of this `jax.sharding.Mesh` (``Auto``
+        axes) as it is read; see `model_from_tensors` and `jaxcert.models.shard`.
+      rules: logical -> mesh axis rules, with `mesh` (default `LOGICAL_RULES`).
 
     Raises:
       ValueError: nothing could be loaded (not a folder or `.gguf` file, and not an asset
-        `jaxcert.assets.fetch` knows or can fetch); the message lists what was tried.
+        `jaxcert.assets.fetch` knows or can fetch); the message lists what was tried. Also
+        an ``Explicit`` mesh (see `load_hf` / `load_gguf` for errors of a found checkpoint).
     """
     path = pathlib.Path(name_or_path).expanduser()
+    kw = dict(dtype=dtype, mesh=mesh, rules=rules)
+    if mesh is not None:
+        check_mesh(mesh)  # before any download
     if path.is_dir():
-        return load_hf(path, dtype=dtype)
+        return load_hf(path, **kw)
     if path.is_file() and path.suffix == ".gguf":
-        return load_gguf(path, dtype=dtype)
+        return load_gguf(path, **kw)
     tried = [f"directory {str(path)!r}: not found", f"GGUF file {str(path)!r}: not found"]
     if path.is_file():
         tried[1] = f"file {str(path)!r}: not a .gguf file"
@@ -39,7 +54,7 @@ def load(name_or_path: str | os.PathLike, *, dtype=jnp.float32) -> LoadedModel:
     except (assets.AssetError, OSError) as e:  # unknown name, download failure
         tried.append(f"asset {str(name_or_path)!r}: {e}")
     else:
-        return load_gguf(fetched, dtype=dtype)
+        return load_gguf(fetched, **kw)
     raise ValueError(f"Cannot load {str(name_or_path)!r}; tried: " + "; ".join(tried) + ".")
 
 

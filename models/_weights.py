@@ -11,7 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
+from jaxcert.models import sharding as sharding_lib
 from jaxcert.models.config import ModelConfig
 from jaxcert.models.transformer import Transformer
 
@@ -82,7 +84,13 @@ def hf_layout(config: ModelConfig) -> dict[str, tuple[tuple, tuple[int, ...]]]:
 
 
 def model_from_tensors(
-    config: ModelConfig, tensors: Mapping[str, Any], *, dtype=jnp.float32, source: str = "weights"
+    config: ModelConfig,
+    tensors: Mapping[str, Any],
+    *,
+    dtype=jnp.float32,
+    source: str = "weights",
+    mesh: Mesh | None = None,
+    rules=sharding_lib.LOGICAL_RULES,
 ) -> Transformer:
     """Builds a `Transformer` (params and compute in `dtype`) from Hugging Face-named tensors.
 
@@ -92,10 +100,17 @@ def model_from_tensors(
         A tied model ignores a `lm_head.weight`; `*rotary_emb.inv_freq` buffers are ignored.
       dtype: parameter and compute dtype.
       source: what the tensors came from, for error messages.
+      mesh: if given (a `jax.sharding.Mesh` with ``Auto`` axes), each tensor goes straight
+        from host memory to its shards as it is read (`jaxcert.models.sharding.place`; no
+        device ever holds more than its shard), and the model gets ``layout`` set (see
+        `jaxcert.models.shard` for what is split how).
+      rules: logical -> mesh axis rules, with `mesh`.
 
     Raises:
-      ValueError: a missing or unexpected tensor, or a shape mismatch (each named).
+      ValueError: a missing or unexpected tensor, or a shape mismatch (each named); an
+        ``Explicit`` mesh or malformed rules.
     """
+    placement = None if mesh is None else sharding_lib.Layout.create(mesh, rules, config)
     layout = hf_layout(config)
     names = set(tensors.keys())
     ignored = {n for n in names if n.endswith(_IGNORED_SUFFIXES)}
@@ -114,6 +129,8 @@ def model_from_tensors(
     )
     graphdef, state = nnx.split(abstract)
     pure = nnx.to_pure_dict(state)
+    if placement is not None:
+        targets = nnx.to_pure_dict(sharding_lib.shardings(abstract, placement))
     for name, (path, hf_shape) in layout.items():
         value = tensors[name]
         if tuple(value.shape) != hf_shape:
@@ -124,12 +141,20 @@ def model_from_tensors(
         for key in path[:-1]:
             node = node[key]
         target: jax.ShapeDtypeStruct = node[path[-1]]
-        array = jnp.asarray(np.asarray(value), dtype=dtype)
+        transpose = path != ("embedding",) and len(hf_shape) == 2  # [out, in] -> [in, out]
+        if placement is None:
+            array = jnp.asarray(np.asarray(value), dtype=dtype)
+            array = array.T if transpose else array
+        else:
+            where = targets
+            for key in path:
+                where = where[key]
+            array = sharding_lib.place(np.asarray(value), where, dtype, transpose=transpose)
         del value
-        if path != ("embedding",) and array.ndim == 2:
-            array = array.T  # [out, in] -> [in, out]
         if array.shape != target.shape:  # pragma: no cover - layout and module disagree
             raise AssertionError(f"{name}: {array.shape} vs state {target.shape}")
         node[path[-1]] = array
     nnx.replace_by_pure_dict(state, pure)
-    return nnx.merge(graphdef, state)
+    model = nnx.merge(graphdef, state)
+    model.layout = placement
+    return model

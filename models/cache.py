@@ -6,16 +6,24 @@ transposed copy of the cache (with `[B, S, G, D]` XLA on CPU copies every layer'
 step; measured 4x slower attention at B=8, S=2048). Slots `[0, length[b])` of row b hold
 committed entries; everything at or beyond `length[b]` is stale and is never attended (see
 `models.transformer`).
+
+On a mesh (``KVCache.create(..., mesh=...)``, or the forward pass of a sharded model) the buffers
+are split over batch rows (``data``) and key/value heads (``model``); heads replicate over
+``model`` when G is not divisible by its size, rows over ``data`` when B is not.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import Mesh
 from jax.typing import ArrayLike
 
 from jaxcert.models.config import ModelConfig
+from jaxcert.models.sharding import LOGICAL_RULES, Layout
 
 
 @struct.dataclass
@@ -38,21 +46,45 @@ class KVCache:
 
     @classmethod
     def create(
-        cls, config: ModelConfig, batch_size: int, max_length: int, dtype=jnp.float32
+        cls,
+        config: ModelConfig,
+        batch_size: int,
+        max_length: int,
+        dtype=jnp.float32,
+        *,
+        mesh: Mesh | None = None,
+        rules=LOGICAL_RULES,
     ) -> KVCache:
         """An empty cache (all lengths 0) of `max_length` = S slots per row.
 
+        Args:
+          config: the model's config (L, G, D).
+          batch_size, max_length: B and S.
+          dtype: the buffers' dtype.
+          mesh: if given (``Auto`` axes), each `[B, G, S, D]` buffer is created directly on
+            its shards: ``("batch", "kv_heads", None, None)`` under `rules` (B over ``data``,
+            G over ``model`` by default; a dimension not divisible by its axes replicates),
+            and ``length`` over ``batch``. Works eagerly and under `jax.jit`.
+          rules: logical -> mesh axis rules (`jaxcert.models.sharding.LOGICAL_RULES`).
+
         Raises:
-          ValueError: non-positive `batch_size` or `max_length`.
+          ValueError: non-positive `batch_size` or `max_length`; an ``Explicit`` mesh.
         """
         if batch_size <= 0 or max_length <= 0:
             raise ValueError(
                 f"batch_size and max_length must be positive, got {batch_size}, {max_length}."
             )
         shape = (batch_size, config.num_kv_heads, max_length, config.head_dim)
-        keys = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
-        values = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
-        return cls(keys=keys, values=values, length=jnp.zeros((batch_size,), jnp.int32))
+        if mesh is None:
+            keys = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
+            values = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
+            return cls(keys=keys, values=values, length=jnp.zeros((batch_size,), jnp.int32))
+        layout = Layout.create(mesh, rules, config)
+        buf = _zeros(shape, dtype, layout.sharding(("batch", "kv_heads", None, None), shape))
+        keys = tuple(buf() for _ in range(config.num_layers))
+        values = tuple(buf() for _ in range(config.num_layers))
+        length = _zeros((batch_size,), jnp.int32, layout.sharding(("batch",), (batch_size,)))()
+        return cls(keys=keys, values=values, length=length)
 
     @property
     def max_length(self) -> int:
@@ -121,3 +153,8 @@ class KVCache:
         if x.shape != (self.batch_size,):
             raise ValueError(f"{name} must be a scalar or [B={self.batch_size}], got {x.shape}.")
         return x.astype(jnp.int32)
+
+
+def _zeros(shape, dtype, sharding):
+    """A function making zeros of `shape` directly on `sharding` (eagerly or under jit)."""
+    return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=sharding)

@@ -21,11 +21,13 @@ import gguf
 import jax.numpy as jnp
 import numpy as np
 import safetensors
+from jax.sharding import Mesh
 
 from jaxcert import _paths
 from jaxcert.models._tokenizer import tokenizer_from_gguf
 from jaxcert.models._weights import LoadedModel, hf_layout, model_from_tensors
 from jaxcert.models.config import ModelConfig
+from jaxcert.models.sharding import LOGICAL_RULES
 
 _CACHE_VERSION = "2"
 _GLOBAL_NAMES = {
@@ -177,7 +179,12 @@ class _SafetensorsFile(Mapping):
 
 
 def load_gguf(
-    path: str | os.PathLike, *, dtype=jnp.float32, cache_dir: str | os.PathLike | None = None
+    path: str | os.PathLike,
+    *,
+    dtype=jnp.float32,
+    cache_dir: str | os.PathLike | None = None,
+    mesh: Mesh | None = None,
+    rules=LOGICAL_RULES,
 ) -> LoadedModel:
     """Loads a llama / qwen2 / qwen3 GGUF file (F32, F16, BF16 and the quantised types
     `gguf.quants` dequantises: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K ... Q6_K).
@@ -189,13 +196,16 @@ def load_gguf(
       path: the `.gguf` file.
       dtype: parameter and compute dtype (and the cache file's dtype).
       cache_dir: cache root; default `jaxcert._paths.cache_dir()`.
+      mesh: place each weight directly on its shards of this `jax.sharding.Mesh` (``Auto``
+        axes) as it is read; see `model_from_tensors` and `jaxcert.models.shard`.
+      rules: logical -> mesh axis rules, with `mesh` (default `LOGICAL_RULES`).
 
     Returns:
       A `LoadedModel` whose tokenizer is built from the file's metadata (no torch needed).
 
     Raises:
       ValueError: unreadable / truncated file, unsupported architecture, tokenizer or tensor
-        type, an unknown or missing tensor (named), or a shape mismatch.
+        type, an unknown or missing tensor (named), a shape mismatch, or an ``Explicit`` mesh.
     """
     path = pathlib.Path(path)
     if not path.is_file():
@@ -227,5 +237,7 @@ def load_gguf(
             np_dtype = np.dtype(jnp.dtype(dtype))
             tensors = {hf_name(t.name): _dequantize(t, np_dtype, path) for t in reader.tensors}
         del reader
-    model = model_from_tensors(config, tensors, dtype=dtype, source=str(path))
+    model = model_from_tensors(
+        config, tensors, dtype=dtype, source=str(path), mesh=mesh, rules=rules
+    )
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=path)

@@ -10,9 +10,11 @@ from collections.abc import Iterator, Mapping
 import jax.numpy as jnp
 import numpy as np
 import safetensors
+from jax.sharding import Mesh
 
 from jaxcert.models._weights import LoadedModel, model_from_tensors
 from jaxcert.models.config import ModelConfig
+from jaxcert.models.sharding import LOGICAL_RULES
 
 _SINGLE = "model.safetensors"
 _INDEX = "model.safetensors.index.json"
@@ -62,20 +64,30 @@ class SafetensorsFolder(Mapping):
         return len(self._where)
 
 
-def load_hf(path: str | os.PathLike, *, dtype=jnp.float32) -> LoadedModel:
+def load_hf(
+    path: str | os.PathLike,
+    *,
+    dtype=jnp.float32,
+    mesh: Mesh | None = None,
+    rules=LOGICAL_RULES,
+) -> LoadedModel:
     """Loads a llama / qwen2 / qwen3 checkpoint folder saved by `save_pretrained`.
 
     Args:
       path: folder with `config.json`, a tokenizer `AutoTokenizer` can load, and
         `model.safetensors` or sharded `model-*.safetensors` + `model.safetensors.index.json`.
       dtype: parameter and compute dtype (bfloat16 weights are converted).
+      mesh: place each weight directly on its shards of this `jax.sharding.Mesh` (``Auto``
+        axes) as it is read; see `model_from_tensors` and `jaxcert.models.shard`.
+      rules: logical -> mesh axis rules, with `mesh` (default `LOGICAL_RULES`).
 
     Returns:
       A `LoadedModel`.
 
     Raises:
       ValueError: not a folder, unsupported config (see `ModelConfig.from_hf`), a tokenizer that
-        does not load, or missing / unexpected / misshapen tensors (named).
+        does not load, missing / unexpected / misshapen tensors (named), or an ``Explicit``
+        mesh.
     """
     import transformers
 
@@ -96,5 +108,8 @@ def load_hf(path: str | os.PathLike, *, dtype=jnp.float32) -> LoadedModel:
         tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     except Exception as e:
         raise ValueError(f"{path}: cannot load the tokenizer ({e}).") from e
-    model = model_from_tensors(config, SafetensorsFolder(path), dtype=dtype, source=str(path))
+    tensors = SafetensorsFolder(path)
+    model = model_from_tensors(
+        config, tensors, dtype=dtype, source=str(path), mesh=mesh, rules=rules
+    )
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=path)

@@ -12,6 +12,12 @@ Layout choices, measured with XLA on a 2-core CPU (Qwen2.5-0.5B sizes):
 - the untied lm_head is `[E, V]` (31 vs 49 ms for 8 rows); a tied one reuses the `[V, E]`
   embedding;
 - the cache is `[B, G, S, D]` so the attention dots read it in place.
+
+Sharding (`jaxcert.models.sharding`): every parameter carries logical axis names
+(`nnx.with_partitioning`, never applied eagerly: a model is built on one device and placed on a
+mesh by `shard` or a loader's `mesh=`). A placed model has ``layout`` set and then constrains
+its activations and cache buffers to the mesh (`jax.lax.with_sharding_constraint`); without a
+mesh (``layout is None``) the forward pass is exactly the single-device one.
 """
 
 from __future__ import annotations
@@ -25,16 +31,35 @@ from jax import lax
 
 from jaxcert.models.cache import KVCache
 from jaxcert.models.config import ModelConfig
+from jaxcert.models.sharding import Layout, constrain
 
 _INIT = nnx.initializers.normal(0.02)
 _MASKED = -1e30  # finite, so a fully masked row gives uniform weights instead of NaN
 
+# Logical axis names of activations (see `jaxcert.models.sharding`).
+_BTE = ("batch", None, "embed")
+_CACHE = ("batch", "kv_heads", None, None)  # [B, G, S, D]
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], dtype) -> nnx.Param:
+    """A `_INIT`-initialised parameter with logical axis `names` (not placed on any mesh)."""
+    init = nnx.with_partitioning(_INIT, names, eager_sharding=False)
+    return nnx.Param(init(rngs.params(), shape, dtype))
+
+
+def _const(value: jax.Array, names: tuple[str, ...]) -> nnx.Param:
+    """A parameter holding `value` with logical axis `names` (not placed on any mesh)."""
+    return nnx.Param(value, out_sharding=names, eager_sharding=False)
+
 
 class RMSNorm(nnx.Module):
-    """`x / rms(x) * scale` over the last axis, computed in float32."""
+    """`x / rms(x) * scale` over the last axis, computed in float32.
 
-    def __init__(self, size: int, *, eps: float, dtype, param_dtype):
-        self.scale = nnx.Param(jnp.ones((size,), param_dtype))  # [size]
+    `axis` is the logical name of that axis (``"embed"``, or ``"head_dim"`` for q/k norms).
+    """
+
+    def __init__(self, size: int, *, eps: float, dtype, param_dtype, axis: str = "embed"):
+        self.scale = _const(jnp.ones((size,), param_dtype), (axis,))  # [size]
         self.eps = eps
         self.dtype = dtype
 
@@ -83,17 +108,19 @@ class Attention(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype, param_dtype):
         c = config
         q, kv, e = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.hidden_size
-        param = lambda *shape: nnx.Param(_INIT(rngs.params(), shape, param_dtype))
-        zeros = lambda n: nnx.Param(jnp.zeros((n,), param_dtype)) if c.qkv_bias else None
-        self.q_proj = param(e, q)  # [E, Q]
-        self.k_proj = param(e, kv)  # [E, G*D]
-        self.v_proj = param(e, kv)  # [E, G*D]
-        self.o_proj = param(q, e)  # [Q, E]
-        self.q_bias = zeros(q)  # [Q] or None
-        self.k_bias = zeros(kv)  # [G*D] or None
-        self.v_bias = zeros(kv)  # [G*D] or None
-        self.o_bias = nnx.Param(jnp.zeros((e,), param_dtype)) if c.o_bias else None  # [E]
-        norm = lambda: RMSNorm(c.head_dim, eps=c.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+        param = lambda shape, names: _param(rngs, shape, names, param_dtype)
+        zeros = lambda n, name, on: _const(jnp.zeros((n,), param_dtype), (name,)) if on else None
+        self.q_proj = param((e, q), ("embed", "heads"))  # [E, Q]
+        self.k_proj = param((e, kv), ("embed", "kv_heads"))  # [E, G*D]
+        self.v_proj = param((e, kv), ("embed", "kv_heads"))  # [E, G*D]
+        self.o_proj = param((q, e), ("heads", "embed"))  # [Q, E]
+        self.q_bias = zeros(q, "heads", c.qkv_bias)  # [Q] or None
+        self.k_bias = zeros(kv, "kv_heads", c.qkv_bias)  # [G*D] or None
+        self.v_bias = zeros(kv, "kv_heads", c.qkv_bias)  # [G*D] or None
+        self.o_bias = zeros(e, "embed", c.o_bias)  # [E] or None
+        norm = lambda: RMSNorm(
+            c.head_dim, eps=c.rms_norm_eps, dtype=dtype, param_dtype=param_dtype, axis="head_dim"
+        )
         self.q_norm = norm() if c.qk_norm else None
         self.k_norm = norm() if c.qk_norm else None
         self.config = config
@@ -105,7 +132,7 @@ class Attention(nnx.Module):
         y = y if b is None else y + b[...].astype(self.dtype)
         return y.reshape(*x.shape[:2], -1, self.config.head_dim)
 
-    def __call__(self, x, cos, sin, k_buf, v_buf, length, mask):
+    def __call__(self, x, cos, sin, k_buf, v_buf, length, mask, layout: Layout | None = None):
         """One attention layer.
 
         Args:
@@ -114,6 +141,7 @@ class Attention(nnx.Module):
           k_buf, v_buf: `[B, G, S, D]` this layer's cache buffers.
           length: `[B]` int32, slot of the first new token per row.
           mask: `[B, T, S]` bool, which slots each new token attends to.
+          layout: the model's mesh layout; `None` on one device (no constraints).
 
         Returns:
           `([B, T, E], new k_buf, new v_buf)`.
@@ -122,12 +150,15 @@ class Attention(nnx.Module):
         q = self._project(x, self.q_proj, self.q_bias)  # [B, T, H, D]
         k = self._project(x, self.k_proj, self.k_bias)  # [B, T, G, D]
         v = self._project(x, self.v_proj, self.v_bias)  # [B, T, G, D]
+        q = constrain(layout, q, ("batch", None, "heads", None))
+        k = constrain(layout, k, ("batch", None, "kv_heads", None))
+        v = constrain(layout, v, ("batch", None, "kv_heads", None))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, cos, sin, c.rope_layout)
         k = apply_rope(k, cos, sin, c.rope_layout)
-        k_buf = _write(k_buf, k.transpose(0, 2, 1, 3), length)
-        v_buf = _write(v_buf, v.transpose(0, 2, 1, 3), length)
+        k_buf = constrain(layout, _write(k_buf, k.transpose(0, 2, 1, 3), length), _CACHE)
+        v_buf = constrain(layout, _write(v_buf, v.transpose(0, 2, 1, 3), length), _CACHE)
 
         b, t = x.shape[:2]
         g, r, d = c.num_kv_heads, c.queries_per_kv_head, c.head_dim
@@ -142,7 +173,7 @@ class Attention(nnx.Module):
         y = jnp.einsum("BTQ,QE->BTE", out, self.o_proj[...].astype(self.dtype))
         if self.o_bias is not None:
             y = y + self.o_bias[...].astype(self.dtype)
-        return y, k_buf, v_buf
+        return constrain(layout, y, _BTE), k_buf, v_buf
 
 
 class MLP(nnx.Module):
@@ -150,17 +181,18 @@ class MLP(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype, param_dtype):
         e, f = config.hidden_size, config.intermediate_size
-        self.gate_proj = nnx.Param(_INIT(rngs.params(), (e, f), param_dtype))  # [E, F]
-        self.up_proj = nnx.Param(_INIT(rngs.params(), (e, f), param_dtype))  # [E, F]
-        self.down_proj = nnx.Param(_INIT(rngs.params(), (f, e), param_dtype))  # [F, E]
+        self.gate_proj = _param(rngs, (e, f), ("embed", "mlp"), param_dtype)  # [E, F]
+        self.up_proj = _param(rngs, (e, f), ("embed", "mlp"), param_dtype)  # [E, F]
+        self.down_proj = _param(rngs, (f, e), ("mlp", "embed"), param_dtype)  # [F, E]
         self.dtype = dtype
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """`[B, T, E]` -> `[B, T, E]`."""
+    def __call__(self, x: jax.Array, layout: Layout | None = None) -> jax.Array:
+        """`[B, T, E]` -> `[B, T, E]` (`layout`: see `Attention.__call__`)."""
         w = lambda p: p[...].astype(self.dtype)
         gate = jnp.einsum("BTE,EF->BTF", x, w(self.gate_proj))
         up = jnp.einsum("BTE,EF->BTF", x, w(self.up_proj))
-        return jnp.einsum("BTF,FE->BTE", jax.nn.silu(gate) * up, w(self.down_proj))
+        h = constrain(layout, jax.nn.silu(gate) * up, ("batch", None, "mlp"))
+        return constrain(layout, jnp.einsum("BTF,FE->BTE", h, w(self.down_proj)), _BTE)
 
 
 class Block(nnx.Module):
@@ -173,11 +205,13 @@ class Block(nnx.Module):
         self.post_attention_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, **kw)
         self.mlp = MLP(config, rngs=rngs, **kw)
 
-    def __call__(self, x, cos, sin, k_buf, v_buf, length, mask):
+    def __call__(self, x, cos, sin, k_buf, v_buf, length, mask, layout: Layout | None = None):
         """`x` `[B, T, E]` -> `([B, T, E], k_buf, v_buf)`; see `Attention.__call__`."""
-        h, k_buf, v_buf = self.attn(self.input_norm(x), cos, sin, k_buf, v_buf, length, mask)
+        h, k_buf, v_buf = self.attn(
+            self.input_norm(x), cos, sin, k_buf, v_buf, length, mask, layout
+        )
         x = x + h
-        return x + self.mlp(self.post_attention_norm(x)), k_buf, v_buf
+        return x + self.mlp(self.post_attention_norm(x), layout), k_buf, v_buf
 
 
 class Transformer(nnx.Module):
@@ -185,6 +219,12 @@ class Transformer(nnx.Module):
 
     Layers are a Python list of separate modules (no `scan`): per-layer buffers decode faster on
     CPU than a scan over stacked weights.
+
+    Attributes:
+      layout: `None` on one device; a `jaxcert.models.sharding.Layout` once placed on a mesh
+        (`jaxcert.models.shard`, or a loader's ``mesh=``): then activations and cache buffers
+        are constrained to the mesh (batch over ``data``, heads / MLP / vocabulary over
+        ``model`` with the default rules).
     """
 
     def __init__(
@@ -192,13 +232,16 @@ class Transformer(nnx.Module):
     ):
         kw = dict(dtype=dtype, param_dtype=param_dtype)
         v, e = config.vocab_size, config.hidden_size
-        self.embedding = nnx.Param(_INIT(rngs.params(), (v, e), param_dtype))  # [V, E]
+        self.embedding = _param(rngs, (v, e), ("vocab", "embed"), param_dtype)  # [V, E]
         self.layers = nnx.List([Block(config, rngs=rngs, **kw) for _ in range(config.num_layers)])
         self.norm = RMSNorm(e, eps=config.rms_norm_eps, **kw)
-        untied = None if config.tie_embeddings else _INIT(rngs.params(), (e, v), param_dtype)
-        self.lm_head = None if untied is None else nnx.Param(untied)  # [E, V] or None (tied)
+        if config.tie_embeddings:
+            self.lm_head = None  # the embedding [V, E] is the lm_head
+        else:
+            self.lm_head = _param(rngs, (e, v), ("embed", "vocab"), param_dtype)  # [E, V]
         self.config = config
         self.dtype = dtype
+        self.layout: Layout | None = None
 
     def __call__(
         self,
@@ -264,22 +307,30 @@ class Transformer(nnx.Module):
             mask = (rel < 0)[:, None, :] | (((rel >= 0) & (rel < t))[:, None, :] & tree)
         cos, sin = rope_angles(positions, c.head_dim, c.rope_theta)
 
+        layout = self.layout
         x = jnp.take(self.embedding[...], tokens, axis=0).astype(self.dtype)  # [B, T, E]
+        x = constrain(layout, x, _BTE)
         keys, values = [], []
         for layer, k_buf, v_buf in zip(self.layers, cache.keys, cache.values, strict=True):
-            x, k_buf, v_buf = layer(x, cos, sin, k_buf, v_buf, length, mask)
+            x, k_buf, v_buf = layer(x, cos, sin, k_buf, v_buf, length, mask, layout)
             keys.append(k_buf)
             values.append(v_buf)
-        hidden = self.norm(x)  # [B, T, E]
+        hidden = constrain(layout, self.norm(x), _BTE)  # [B, T, E]
         return hidden, cache.replace(keys=tuple(keys), values=tuple(values))
 
     def project(self, hidden: jax.Array) -> jax.Array:
-        """The lm_head: `[..., E]` final-norm hidden states -> `[..., V]` float32 logits."""
+        """The lm_head: `[..., E]` final-norm hidden states -> `[..., V]` float32 logits.
+
+        On a mesh the logits stay split over the vocabulary (``model``) and the leading axis
+        over the batch (``data``).
+        """
         if self.lm_head is None:
             w, spec = self.embedding[...], "...E,VE->...V"
         else:
             w, spec = self.lm_head[...], "...E,EV->...V"
-        return jnp.einsum(spec, hidden.astype(w.dtype), w, preferred_element_type=jnp.float32)
+        logits = jnp.einsum(spec, hidden.astype(w.dtype), w, preferred_element_type=jnp.float32)
+        lead = ("batch",) + (None,) * (logits.ndim - 2) if logits.ndim > 1 else ()
+        return constrain(self.layout, logits, lead + ("vocab",))
 
     def _check(self, tokens, cache, positions, attention_mask):
         c = self.config
@@ -378,4 +429,6 @@ def truncate(model: Transformer, num_layers: int) -> Transformer:
     pure = nnx.to_pure_dict(nnx.state(model))
     pure["layers"] = {i: pure["layers"][i] for i in range(num_layers)}
     nnx.replace_by_pure_dict(state, pure)
-    return nnx.merge(graphdef, state)
+    out = nnx.merge(graphdef, state)
+    out.layout = model.layout
+    return out

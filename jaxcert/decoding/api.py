@@ -3,6 +3,13 @@
 Both decoders compile ahead of time (timed as ``compile_s``, cached per configuration and
 shape), then run in calls of a few rounds (or steps) so a progress callback can follow;
 ``decode_s`` is the wall time of those calls alone, ``prefill_s`` that of the prompt pass.
+
+On a mesh (a target placed with :func:`jaxcert.models.shard` or loaded with ``mesh=``, or a
+``mesh=`` argument) both models run on it: the prompts are split over the batch axis (the
+logical ``batch`` axis, ``data`` by default; the batch is padded with copies of the last prompt
+to a multiple of its size, and the copies are dropped from the output), a model not yet on the
+mesh is placed there with :func:`jaxcert.models.shard` (once per call: shard it yourself to
+avoid the transfer), and the caches and logits stay split as the models' layouts say.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from jaxcert.decoding import policies as policies_lib
 from jaxcert.decoding.config import DecodeConfig, Sizes, check_sampling
 from jaxcert.decoding.protocols import DecoderModel
 from jaxcert.decoding.state import RoundStats
+from jaxcert.models import sharding as sharding_lib
 from jaxcert.prompts import pad_prompts
 
 __all__ = [
@@ -81,9 +89,78 @@ def split_model(model) -> tuple[nnx.GraphDef, nnx.State]:
     return nnx.split(module)
 
 
-def _padded(prompts, width, minimum, vocab_size):
+def _padded(prompts, width, minimum, vocab_size, placement=None):
+    """``(tokens [B', W], lengths [B'])`` on the device(s); ``B' = B`` unless on a mesh.
+
+    With ``placement = (mesh, rules)`` the batch is padded with copies of the last prompt to
+    a multiple of the size of the mesh axes of ``batch``, then split over them.
+    """
+    if placement is not None and len(prompts) and not isinstance(prompts[0], (int, np.integer)):
+        mesh, rules = placement
+        n = sharding_lib.axis_size("batch", mesh, rules)
+        prompts = list(prompts) + [prompts[-1]] * (-len(prompts) % n)
     tokens, lengths = pad_prompts(prompts, width=width, minimum=minimum, vocab_size=vocab_size)
-    return jnp.asarray(tokens), jnp.asarray(lengths)
+    if placement is None:
+        return jnp.asarray(tokens), jnp.asarray(lengths)
+    layout = sharding_lib.Layout.create(*placement)
+    tokens = jax.device_put(tokens, layout.sharding(("batch", None), tokens.shape))
+    return tokens, jax.device_put(lengths, layout.sharding(("batch",), lengths.shape))
+
+
+def _model_mesh(model):
+    """The mesh a model (``LoadedModel``, module or ``(graphdef, params)``) lives on, or None."""
+    if isinstance(model, tuple) and len(model) == 2:
+        return sharding_lib.mesh_of(model[1])
+    layout = sharding_lib.layout_of(model)
+    if layout is not None:
+        return layout.mesh
+    module = getattr(model, "model", model)
+    return sharding_lib.mesh_of(nnx.state(module)) if isinstance(module, nnx.Module) else None
+
+
+def _on_mesh(models_, mesh):
+    """Puts every model on one mesh: ``(models, (mesh, rules) or None)``.
+
+    The mesh is ``mesh`` if given, else the one the models live on (``None``: nothing to do,
+    the single-device path). A model elsewhere is placed with ``models.shard`` (the rules of
+    the first sharded model, else the default rules).
+
+    Raises:
+      ValueError: the models live on different meshes (and no ``mesh`` was given), or an
+        ``Explicit`` mesh.
+    """
+    found = [_model_mesh(m) for m in models_]
+    if mesh is None:
+        meshes = {m for m in found if m is not None}
+        if len(meshes) > 1:
+            raise ValueError(
+                "the target and the drafter live on different meshes; place them on one "
+                "(jaxcert.models.shard) or pass mesh="
+            )
+        if not meshes:
+            return models_, None
+        mesh = meshes.pop()
+    sharding_lib.check_mesh(mesh)
+    layouts = [sharding_lib.layout_of(m) for m in models_ if not isinstance(m, tuple)]
+    rules = next((x.rules for x in layouts if x is not None), sharding_lib.LOGICAL_RULES)
+    placed = []
+    for model, where in zip(models_, found, strict=True):
+        if where != mesh:
+            if isinstance(model, tuple) and len(model) == 2:
+                model = nnx.split(models.shard(nnx.merge(*model), mesh, rules))
+            else:
+                model = models.shard(getattr(model, "model", model), mesh, rules)
+        placed.append(model)
+    return placed, (mesh, rules)
+
+
+def _replicated(tree, placement):
+    """``tree`` replicated on the mesh (``tree`` itself without one)."""
+    if placement is None:
+        return tree
+    return jax.device_put(
+        tree, jax.sharding.NamedSharding(placement[0], jax.sharding.PartitionSpec())
+    )
 
 
 def _vocab_size(model) -> int | None:
@@ -107,7 +184,8 @@ def _compile(fn, args: tuple, static: dict):
     ones by name; the result is called with the dynamic arguments only.
     """
     leaves, treedef = jax.tree.flatten(args)
-    avals = tuple((tuple(x.shape), str(x.dtype)) for x in leaves)
+    # The shardings too: the same shapes on one device and on a mesh compile differently.
+    avals = tuple((tuple(x.shape), str(x.dtype), getattr(x, "sharding", None)) for x in leaves)
     options = tuple(sorted(COMPILER_OPTIONS.items()))
     signature = (fn, tuple(sorted(static.items(), key=lambda kv: kv[0])), str(treedef), avals)
     signature += (options,)
@@ -117,11 +195,17 @@ def _compile(fn, args: tuple, static: dict):
     return _COMPILED[signature]
 
 
-def _outputs(state) -> tuple[list[np.ndarray], np.ndarray]:
+def _outputs(state, rows: int) -> tuple[list[np.ndarray], np.ndarray]:
+    """Per row, the output tokens, and ``[B]`` rounds, of the first ``rows`` rows."""
     tokens, length, prompt = jax.device_get((state.tokens, state.length, state.prompt_length))
-    return [tokens[b, prompt[b] : length[b]].copy() for b in range(len(length))], np.asarray(
-        jax.device_get(state.rounds)
-    )
+    rounds = np.asarray(jax.device_get(state.rounds))[:rows]
+    return [tokens[b, prompt[b] : length[b]].copy() for b in range(rows)], rounds
+
+
+def _generated(state, rows: int):
+    """Output tokens so far in the first ``rows`` rows (the others pad the batch)."""
+    new = state.length - state.prompt_length
+    return jnp.sum(new if new.shape[0] == rows else new[:rows])
 
 
 def speculative_decode(
@@ -134,33 +218,42 @@ def speculative_decode(
     key: jax.Array | None = None,
     prompt_width: int | None = None,
     progress: Callable[[int], None] | None = None,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> DecodeOutput:
     """Speculative decoding of one batch of token prompts.
 
     Args:
-      target, drafter: ``models.LoadedModel`` or ``nnx.Module`` (same vocabulary).
+      target, drafter: ``models.LoadedModel`` or ``nnx.Module`` (same vocabulary), or
+        ``(graphdef, params)`` pairs; on one device or on a mesh (see the module docstring).
       prompts: ``B`` token-id sequences, each of length >= 2.
       policy: the draft-length policy (:func:`~jaxcert.decoding.policies.parse_policy`).
       config: a :class:`~jaxcert.decoding.config.DecodeConfig`.
       key: PRNG key (sampling); default ``jax.random.key(0)``.
       prompt_width: pad prompts to this width (share one compilation across batches).
       progress: called with the number of new output tokens after every call.
+      mesh: run on this ``jax.sharding.Mesh`` (``Auto`` axes); default: the mesh the models
+        live on, if any.
 
     Returns:
       A :class:`DecodeOutput`.
 
     Raises:
-      ValueError: mismatched vocabularies, short prompts or an invalid config.
+      ValueError: mismatched vocabularies, short prompts or an invalid config; models on
+        different meshes or an ``Explicit`` mesh.
     """
     check_pair(target, drafter)
+    vocab_size = _vocab_size(target)
+    (target, drafter), placement = _on_mesh((target, drafter), mesh)
     t_graph, t_params = split_model(target)
     d_graph, d_params = split_model(drafter)
-    prompt, lengths = _padded(prompts, prompt_width, 2, _vocab_size(target))
+    rows = len(prompts)
+    prompt, lengths = _padded(prompts, prompt_width, 2, vocab_size, placement)
     key = jax.random.key(0) if key is None else key
     sizes = Sizes.for_prompts(prompt.shape[1], config, config.max_new_tokens)
     params = policies_lib.PolicyParams.from_policy(policy)
     if isinstance(config.tree, loop.tree_lib.Chain) and policy.k_max > config.max_draft:
         params = params.replace(k_max=jnp.asarray(config.max_draft, jnp.int32))
+    params, key = _replicated((params, key), placement)
     t0 = time.perf_counter()
     graphs = {"t_graph": t_graph, "d_graph": d_graph}
     pre_args = (t_params, d_params, prompt, lengths, params, key)
@@ -178,16 +271,16 @@ def speculative_decode(
         t0 = time.perf_counter()
         state, stats = run(t_params, d_params, state, params)
         stats, done, generated = jax.device_get(
-            (stats, jnp.all(state.done), jnp.sum(state.length - state.prompt_length))
+            (stats, jnp.all(state.done), _generated(state, rows))
         )
         decode_s += time.perf_counter() - t0
         chunks.append(stats)
         if progress is not None:
             progress(int(generated))
-    stats = jax.tree.map(lambda *xs: np.concatenate(xs, axis=0), *chunks)
+    stats = jax.tree.map(lambda *xs: np.concatenate(xs, axis=0)[:, :rows], *chunks)
     keep = np.any(stats.active, axis=1)
     stats = jax.tree.map(lambda x: x[keep], stats)
-    tokens, rounds = _outputs(state)
+    tokens, rounds = _outputs(state, rows)
     return DecodeOutput(tokens, stats, rounds, prefill_s, decode_s, compile_s)
 
 
@@ -203,16 +296,21 @@ def target_decode(
     prompt_width: int | None = None,
     steps_per_call: int = 16,
     progress: Callable[[int], None] | None = None,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> DecodeOutput:
     """Target-only decoding (greedy at temperature 0, else sampled), the speed baseline.
 
-    Arguments as in :func:`speculative_decode`; prompts need at least 1 token.
+    Arguments as in :func:`speculative_decode` (``mesh`` included); prompts need at least 1
+    token.
     """
     check_sampling(temperature, top_p)
     check_int("max_new_tokens", max_new_tokens)
+    vocab_size = _vocab_size(target)
+    (target,), placement = _on_mesh((target,), mesh)
     graph, params = split_model(target)
-    prompt, lengths = _padded(prompts, prompt_width, 1, _vocab_size(target))
-    key = jax.random.key(0) if key is None else key
+    rows = len(prompts)
+    prompt, lengths = _padded(prompts, prompt_width, 1, vocab_size, placement)
+    key = _replicated(jax.random.key(0) if key is None else key, placement)
     sizes = Sizes.for_prompts(prompt.shape[1], None, max_new_tokens)
     t0 = time.perf_counter()
     pre_args = (params, prompt, lengths, key)
@@ -235,11 +333,9 @@ def target_decode(
     while not done:
         t0 = time.perf_counter()
         state = run(params, state)
-        done, generated = jax.device_get(
-            (jnp.all(state.done), jnp.sum(state.length - state.prompt_length))
-        )
+        done, generated = jax.device_get((jnp.all(state.done), _generated(state, rows)))
         decode_s += time.perf_counter() - t0
         if progress is not None:
             progress(int(generated))
-    tokens, rounds = _outputs(state)
+    tokens, rounds = _outputs(state, rows)
     return DecodeOutput(tokens, None, rounds, prefill_s, decode_s, compile_s)
