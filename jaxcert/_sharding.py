@@ -43,6 +43,7 @@ __all__ = [
     "axis_size",
     "entropy",
     "gather_row",
+    "log_softmax",
     "normalizer",
     "route",
     "shard_offset",
@@ -90,6 +91,14 @@ def normalizer(x, axis_name: AxisName):
     return x_max, vocab_sum(jnp.exp(x - x_max[..., None]), axis_name)
 
 
+def log_softmax(x, axis_name: AxisName):
+    """``log softmax(x)`` over the whole (possibly split) last axis."""
+    if axis_name is None:
+        return jax.nn.log_softmax(x, axis=-1)
+    x_max = vocab_max(lax.stop_gradient(x), axis_name)
+    return x - (x_max + jnp.log(vocab_sum(jnp.exp(x - x_max[..., None]), axis_name)))[..., None]
+
+
 def entropy(x, x_max, total, axis_name: AxisName):
     """``H(softmax(x))`` in nats over the whole row, given its global max and normaliser."""
     if axis_name is None:
@@ -110,8 +119,7 @@ def top_k(x, k: int, axis_name: AxisName):
     if axis_name is None:
         return values, ids
     ids = ids + shard_offset(local, axis_name)
-    values = lax.all_gather(values, axis_name, axis=values.ndim - 1, tiled=True)
-    ids = lax.all_gather(ids, axis_name, axis=ids.ndim - 1, tiled=True)
+    values, ids = _gather_last((values, ids), axis_name)
     values, pos = lax.top_k(values, k)
     return values, jnp.take_along_axis(ids, pos, axis=-1)
 
@@ -120,7 +128,20 @@ def gather_row(x, axis_name: AxisName):
     """The whole row (an ``all_gather`` of every shard: only for rare fallbacks)."""
     if axis_name is None:
         return x
-    return lax.all_gather(x, axis_name, axis=x.ndim - 1, tiled=True)
+    return _gather_last(x, axis_name)
+
+
+def _gather_last(tree, axis_name):
+    """``all_gather`` along the last axis; the result is typed invariant over ``axis_name``
+    inside a ``shard_map`` that checks varying axes (every shard holds the same result)."""
+    names = set(axis_name if isinstance(axis_name, tuple) else (axis_name,))
+
+    def gather(x):
+        varying = jax.typeof(x).manual_axis_type.varying
+        to = "invarying" if names <= set(varying) else "varying"
+        return lax.all_gather(x, axis_name, axis=x.ndim - 1, tiled=True, to=to)
+
+    return jax.tree.map(gather, tree)
 
 
 def _spec_of(x) -> tuple[Any, tuple] | None:

@@ -24,7 +24,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxcert import _numerics
+from jaxcert import _numerics, _sharding
 from jaxcert import rules as rules_lib
 from jaxcert.solver import DEFAULT_TOP_K, certificate
 
@@ -60,14 +60,15 @@ def _masked(where, shape, *arrays):
     return mask, tuple(jnp.where(mask[..., None], a, jnp.zeros((), a.dtype)) for a in arrays)
 
 
-def _kl(target_logits, drafter_logits):
-    log_p = jax.nn.log_softmax(target_logits, axis=-1)
-    log_q = jax.nn.log_softmax(drafter_logits, axis=-1)
+def _kl(target_logits, drafter_logits, axis_name=None):
+    log_p = _sharding.log_softmax(target_logits, axis_name)
+    log_q = _sharding.log_softmax(drafter_logits, axis_name)
     p = jnp.exp(log_p)
     positive = p > 0
     safe_log_p = jnp.where(positive, log_p, 0.0)
     safe_log_q = jnp.where(positive, log_q, 0.0)  # q may be 0 where p is 0
-    return jnp.sum(jnp.where(positive, p * (safe_log_p - safe_log_q), 0.0), axis=-1)
+    terms = jnp.where(positive, p * (safe_log_p - safe_log_q), 0.0)
+    return _sharding.vocab_sum(terms, axis_name)
 
 
 def kl_divergence(
@@ -75,6 +76,7 @@ def kl_divergence(
     target_logits: jax.typing.ArrayLike,
     *,
     where: jax.typing.ArrayLike | None = None,
+    axis_name: str | tuple[str, ...] | None = None,
 ) -> jax.Array:
     """``KL(p || q)`` in nats per position, ``p = softmax(target)``, ``q = softmax(drafter)``.
 
@@ -86,6 +88,9 @@ def kl_divergence(
       drafter_logits: ``[..., V]`` drafter logits.
       target_logits: ``[..., V]`` target logits (same shape).
       where: optional ``[...]`` bool mask; masked positions give exactly 0.
+      axis_name: mesh axis name(s) splitting the vocabulary, when called inside
+        ``shard_map`` on vocabulary shards (collective max and sums; see
+        :func:`jaxcert.certificates` for sharded inputs outside ``shard_map``).
 
     Returns:
       ``[...]`` float32 (float64 for float64 input).
@@ -103,31 +108,31 @@ def kl_divergence(
     d, t = _check_pair(drafter_logits, target_logits)
     dtype = _numerics.compute_dtype(d.dtype, t.dtype)
     mask, (d, t) = _masked(where, d.shape, d.astype(dtype), t.astype(dtype))
-    kl = _kl(t, d)
+    kl = _kl(t, d, axis_name)
     return kl if mask is None else jnp.where(mask, kl, 0.0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _certificate_value(target_logits, rule, top_k):
-    return certificate(target_logits, rule, top_k=top_k).value
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _certificate_value(target_logits, rule, top_k, axis_name):
+    return certificate(target_logits, rule, top_k=top_k, axis_name=axis_name).value
 
 
-def _certificate_value_fwd(target_logits, rule, top_k):
-    cert = certificate(target_logits, rule, return_q=True, top_k=top_k)
+def _certificate_value_fwd(target_logits, rule, top_k, axis_name):
+    cert = certificate(target_logits, rule, return_q=True, top_k=top_k, axis_name=axis_name)
     return cert.value, (target_logits, cert.q_star, cert.level, cert.value)
 
 
-def _certificate_value_bwd(rule, top_k, residuals, cotangent):
+def _certificate_value_bwd(rule, top_k, axis_name, residuals, cotangent):
     del rule, top_k
     target_logits, q_star, level, value = residuals
-    log_p = jax.nn.log_softmax(target_logits, axis=-1)
+    log_p = _sharding.log_softmax(target_logits, axis_name)
     p = jnp.exp(log_p)
     ok = jnp.isfinite(value) & (value > 0)
     pooled = (q_star == level[..., None]) & (p > 0) & ok[..., None]
     safe_level = jnp.where(ok, level, 1.0)
     grad_p = jnp.where(pooled, log_p - jnp.log(safe_level)[..., None], 0.0)  # dC/dp
     # Chain through p = softmax(z): dC/dz_j = p_j (g_j - sum_i p_i g_i).
-    mean = jnp.sum(p * grad_p, axis=-1, keepdims=True)
+    mean = _sharding.vocab_sum(p * grad_p, axis_name)[..., None]
     grad_z = p * (grad_p - mean)
     ct = jnp.where(ok, cotangent, 0.0)
     return (ct[..., None] * grad_z,)
@@ -137,7 +142,11 @@ _certificate_value.defvjp(_certificate_value_fwd, _certificate_value_bwd)
 
 
 def certificate_value(
-    target_logits: jax.typing.ArrayLike, rule: rules_lib.Rule, *, top_k: int = DEFAULT_TOP_K
+    target_logits: jax.typing.ArrayLike,
+    rule: rules_lib.Rule,
+    *,
+    top_k: int = DEFAULT_TOP_K,
+    axis_name: str | tuple[str, ...] | None = None,
 ) -> jax.Array:
     """The certificate ``C_p`` (nats, ``[...]``) as a differentiable function of the target.
 
@@ -145,17 +154,19 @@ def certificate_value(
     the pool and 0 elsewhere, chained through the softmax; it is 0 where ``C_p`` is 0 or
     ``+inf``. See :func:`jaxcert.certificate` for the value itself.
     """
-    return _certificate_value(jnp.asarray(target_logits), rule, top_k)
+    return _certificate_value(jnp.asarray(target_logits), rule, top_k, axis_name)
 
 
-def _excess(drafter_logits, target_logits, rule, margin, where, differentiate_target, top_k):
+def _excess(
+    drafter_logits, target_logits, rule, margin, where, differentiate_target, top_k, axis_name
+):
     d, t = _check_pair(drafter_logits, target_logits)
     dtype = _numerics.compute_dtype(d.dtype, t.dtype)
     mask, (d, t) = _masked(where, d.shape, d.astype(dtype), t.astype(dtype))
     if not differentiate_target:
         t = jax.lax.stop_gradient(t)
-    kl = _kl(t, d)
-    c = _certificate_value(t, rule, top_k)
+    kl = _kl(t, d, axis_name)
+    c = _certificate_value(t, rule, top_k, axis_name)
     excess = kl - c + margin  # -inf where rejection is impossible
     return excess, kl, c, mask
 
@@ -173,6 +184,7 @@ def certificate_violation(
     where: jax.typing.ArrayLike | None = None,
     differentiate_target: bool = False,
     top_k: int = DEFAULT_TOP_K,
+    axis_name: str | tuple[str, ...] | None = None,
 ) -> jax.Array:
     """Hinge on the certificate: ``relu(KL(p||q) - C_p + margin)`` per position.
 
@@ -189,6 +201,8 @@ def certificate_violation(
       differentiate_target: also differentiate w.r.t. the target logits (default: the
         target is a constant, ``stop_gradient``).
       top_k: solver window (see :func:`jaxcert.certificates`).
+      axis_name: mesh axis name(s) splitting the vocabulary, when called inside
+        ``shard_map`` on vocabulary shards.
 
     Returns:
       ``[...]`` losses in nats, float32 (float64 for float64 input); no reduction over
@@ -206,7 +220,7 @@ def certificate_violation(
       >>> grads = jax.grad(loss)(jnp.log(jnp.array([[0.2, 0.7, 0.1]])))
     """
     excess, _, _, mask = _excess(
-        drafter_logits, target_logits, rule, margin, where, differentiate_target, top_k
+        drafter_logits, target_logits, rule, margin, where, differentiate_target, top_k, axis_name
     )
     return _finish(jax.nn.relu(excess), mask)
 
@@ -221,6 +235,7 @@ def certificate_violation_softplus(
     where: jax.typing.ArrayLike | None = None,
     differentiate_target: bool = False,
     top_k: int = DEFAULT_TOP_K,
+    axis_name: str | tuple[str, ...] | None = None,
 ) -> jax.Array:
     """Smooth hinge: ``temperature * softplus((KL - C_p + margin) / temperature)``.
 
@@ -234,7 +249,7 @@ def certificate_violation_softplus(
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     excess, _, _, mask = _excess(
-        drafter_logits, target_logits, rule, margin, where, differentiate_target, top_k
+        drafter_logits, target_logits, rule, margin, where, differentiate_target, top_k, axis_name
     )
     return _finish(temperature * jax.nn.softplus(excess / temperature), mask)
 
@@ -248,6 +263,7 @@ def certificate_ratio(
     where: jax.typing.ArrayLike | None = None,
     differentiate_target: bool = False,
     top_k: int = DEFAULT_TOP_K,
+    axis_name: str | tuple[str, ...] | None = None,
 ) -> jax.Array:
     """Ratio form ``KL(p||q) / (C_p + eps)``: below 1 means certified (for ``eps -> 0``).
 
@@ -261,7 +277,7 @@ def certificate_ratio(
     if not eps > 0:
         raise ValueError(f"eps must be > 0, got {eps}")
     _, kl, c, mask = _excess(
-        drafter_logits, target_logits, rule, 0.0, where, differentiate_target, top_k
+        drafter_logits, target_logits, rule, 0.0, where, differentiate_target, top_k, axis_name
     )
     finite = jnp.isfinite(c)
     ratio = kl / jnp.where(finite, c + eps, 1.0)

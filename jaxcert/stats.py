@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+
 import flax.struct
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
-from jaxcert import _numerics
+from jaxcert import _numerics, _sharding
+from jaxcert._validate import check_int
 
 __all__ = ["DistributionStats", "distribution_stats"]
 
@@ -30,34 +34,59 @@ class DistributionStats:
     entropy: jax.Array
 
 
-def distribution_stats(logits: jax.typing.ArrayLike, *, top: int = 10) -> DistributionStats:
+def distribution_stats(
+    logits: jax.typing.ArrayLike,
+    *,
+    top: int = 10,
+    axis_name: str | tuple[str, ...] | None = None,
+) -> DistributionStats:
     """Statistics of ``softmax(logits)`` over the last axis.
+
+    Sharded inputs are handled as in :func:`jaxcert.certificates` (per-shard top-``k``
+    merged exactly, collective max and sums; ``axis_name`` inside your own ``shard_map``).
 
     Args:
       logits: ``[..., V]`` float logits or log-probabilities (computed in float32, or
         float64 for float64 input).
       top: ``k`` of the top-``k`` coverage (clipped to ``V``).
+      axis_name: mesh axis name(s) splitting the vocabulary, inside ``shard_map``.
 
     Returns:
       A :class:`DistributionStats` with ``[...]`` fields.
 
     Raises:
       ValueError: non-floating logits or ``top < 1``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxcert import distribution_stats
+      >>> s = distribution_stats(jnp.log(jnp.array([0.6, 0.3, 0.1])), top=2)
+      >>> int(s.greedy_token), round(float(s.margin), 4), round(float(s.top_coverage), 4)
+      (0, 0.3, 0.9)
     """
-    x = jnp.asarray(logits)
+    x = logits if isinstance(logits, jax.Array) else jnp.asarray(logits)
     if not jnp.issubdtype(x.dtype, jnp.floating) or x.ndim < 1:
         raise ValueError(f"logits must be floating [..., V], got {x.dtype} {x.shape}")
-    if top < 1:
-        raise ValueError(f"top must be >= 1, got {top}")
+    check_int("top", top)
+
+    def specs(lead, vocab):
+        per_row = P(*lead)
+        return DistributionStats(per_row, per_row, per_row, per_row, per_row)
+
+    return _sharding.route(functools.partial(_stats, top=top), x, specs, axis_name)
+
+
+def _stats(x, axis_name, *, top: int) -> DistributionStats:
     x = x.astype(_numerics.compute_dtype(x.dtype))
-    vals, idx = _numerics.top_k(x, min(max(top, 2), x.shape[-1]))
-    x_max, total = _numerics.normalizer(x)
+    vocab = x.shape[-1] * _sharding.axis_size(axis_name)
+    vals, idx = _sharding.top_k(x, min(max(top, 2), vocab), axis_name)
+    x_max, total = _sharding.normalizer(x, axis_name)
     lse = x_max + jnp.log(total)
-    entropy = _numerics.entropy(x, x_max, total)
+    entropy = _sharding.entropy(x, x_max, total, axis_name)
     top1 = jnp.exp(vals[..., 0] - lse)
     second = vals[..., 1] if vals.shape[-1] > 1 else jnp.full_like(top1, -jnp.inf)
     return DistributionStats(
-        greedy_token=idx[..., 0].astype(jnp.int32),
+        greedy_token=idx[..., 0],
         top1=top1,
         top_coverage=jnp.sum(jnp.exp(vals[..., :top] - lse[..., None]), axis=-1),
         margin=-top1 * jnp.expm1(second - vals[..., 0]),
