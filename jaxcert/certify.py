@@ -5,6 +5,12 @@ jitted greedy loop (``lax.scan`` in chunks, one host round-trip per chunk for th
 progress bar) that, at every step, computes the target's statistics and the exact
 certificate of every rule from the full-vocabulary logits, then appends the greedy
 token -> a table of positions.
+
+On a mesh (:mod:`jaxcert.mesh`) the rows of each batch are split over the ``data`` axis and
+the weights over ``model``. With ``model = 1`` each row's numbers are those of a one-device
+run with as many rows per batch as each device holds (bit for bit). With ``part`` a
+process certifies only its share of the prompts (the same padded width as the whole run, so
+the same compiled programs and numbers) and :func:`merge_parts` joins the shares.
 """
 
 from __future__ import annotations
@@ -21,14 +27,16 @@ import numpy as np
 import pyarrow as pa
 from flax import nnx
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
+from jaxcert import mesh as mesh_lib
 from jaxcert import models
 from jaxcert import stats as stats_lib
 from jaxcert._validate import check_int, round_up
 from jaxcert.prompts import Prompt, encode_prompts, pad_prompts
 from jaxcert.solver import certificates
 
-__all__ = ["CertifyOptions", "certify_prompts", "rule_column"]
+__all__ = ["CertifyOptions", "certify_prompts", "merge_parts", "rule_column"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -107,6 +115,8 @@ def certify_prompts(
     rules: Sequence,
     options: CertifyOptions = CertifyOptions(),
     *,
+    mesh: jax.sharding.Mesh | None = None,
+    part: tuple[int, int] | None = None,
     progress: Callable[[int, int], None] | None = None,
     on_batch: Callable[[pa.Table], None] | None = None,
 ) -> tuple[pa.Table, dict]:
@@ -117,6 +127,13 @@ def certify_prompts(
       prompts: the prompts.
       rules: the verification rules (``jaxcert.rules``).
       options: a :class:`CertifyOptions`.
+      mesh: a ``("data", "model")`` mesh (:func:`jaxcert.mesh.make_mesh`): each batch is
+        split over ``data`` (the batch size rounded up to a multiple of its size), the
+        weights over ``model`` (``jaxcert.models.shard``; tensor parallelism). ``None``:
+        JAX's default device.
+      part: ``(index, count)``: certify only share ``index`` of ``count`` (the prompts,
+        sorted by length, dealt round-robin) and keep a ``prompt_order`` column (the
+        prompt's index in ``prompts``) for :func:`merge_parts`.
       progress: called as ``progress(done_steps, total_steps)`` after every chunk.
       on_batch: called with each finished batch's table (so a caller can save partial
         results before a later batch fails).
@@ -128,8 +145,9 @@ def certify_prompts(
       (nats, ``inf`` where rejection is impossible); ``info`` has counts and timings.
 
     Raises:
-      ValueError: no prompt is long enough, no rules, or prompts plus steps exceed the
-        model's context length.
+      ValueError: no prompt is long enough, no rules, prompts plus steps exceed the
+        model's context length, mesh axes other than data/model, or more parts than
+        prompts.
     """
     rules = tuple(rules)
     if not rules:
@@ -145,33 +163,57 @@ def certify_prompts(
         )
     # Batch prompts of similar length together: less padding in the prefill.
     order = sorted(keep, key=lambda i: len(encoded[i]))
-    graphdef, state = nnx.split(lm.model)
+    # One prompt width and one cache size for every batch (the last batch is padded with
+    # copies of a prompt whose rows are dropped), so each jitted function compiles once;
+    # taken over all prompts, so every part of a multi-process run has the same shapes.
+    width = round_up(max(len(encoded[i]) for i in order), 16)
+    data = 1 if mesh is None else mesh_lib.data_size(mesh)
+    batch_size = round_up(options.batch_size, data)
+    # Rows per batch (a multiple of the data axis), also from all prompts: a part then
+    # computes each row with the same shapes, hence the same numbers, as a one-process run.
+    rows = round_up(min(batch_size, len(order)), data)
+    if part is not None:
+        index, count = part
+        check_int("part count", count)
+        if not 0 <= index < count:
+            raise ValueError(f"part index must be in [0, {count}), got {index}")
+        if count > len(order):
+            raise ValueError(
+                f"{count} processes for {len(order)} prompts: each process needs a prompt"
+            )
+        order = order[index::count]
     eos = lm.eos_ids or (-1,)  # -1: no token ends a row
     chunks = math.ceil(options.steps / options.chunk)
-    total = math.ceil(len(order) / options.batch_size) * chunks * options.chunk
+    total = math.ceil(len(order) / batch_size) * chunks * options.chunk
     done = 0
     tables = []
     timings = {"prefill_s": 0.0, "decode_s": 0.0}
-    # One prompt width and one cache size for every batch (the last batch is padded with
-    # copies of a prompt whose rows are dropped), so each jitted function compiles once.
-    width = round_up(max(len(encoded[i]) for i in order), 16)
     cache_length = width + chunks * options.chunk + 1
     if cache_length > lm.config.max_position_embeddings:
         raise ValueError(
             f"prompts of up to {width} tokens plus {options.steps} steps need {cache_length} "
             f"positions; the model supports {lm.config.max_position_embeddings}"
         )
-    rows = min(options.batch_size, len(order))
-    for batch in _batches(order, options.batch_size):
+    # The weights split over "model" (a model loaded onto this mesh stays where it is); the
+    # forward pass keeps the rows of activations and cache on "data".
+    graphdef, state = nnx.split(mesh_lib.shard_model(lm.model, mesh))
+
+    def place(tree):  # host arrays of a batch onto the device(s): rows split over "data"
+        if mesh is None:
+            return jax.tree.map(jnp.asarray, tree)
+        return mesh_lib.place(tree, mesh, P("data"))
+
+    for batch in _batches(order, batch_size):
         ids = [encoded[i] for i in batch]
         ids += [ids[0]] * (rows - len(ids))
         tokens, lengths = pad_prompts(ids, width=width)
-        cache = _new_cache(lm, rows, cache_length)
+        cache = _new_cache(lm, rows, cache_length, mesh)
+        tokens_in, lengths_in = place((tokens, lengths))
         t0 = time.perf_counter()
-        logits, cache = _prefill(graphdef, state, jnp.asarray(tokens), jnp.asarray(lengths), cache)
+        logits, cache = _prefill(graphdef, state, tokens_in, lengths_in, cache)
         logits.block_until_ready()
         timings["prefill_s"] += time.perf_counter() - t0
-        active = jnp.asarray(np.arange(rows) < len(batch))
+        active = place(np.arange(rows) < len(batch))
         parts = []
         for _ in range(chunks):
             t0 = time.perf_counter()
@@ -193,10 +235,8 @@ def certify_prompts(
             on_batch(table)
     if progress is not None:
         progress(total, total)
-    table = pa.concat_tables(tables).sort_by(
-        [("prompt_order", "ascending"), ("position", "ascending")]
-    )
-    table = table.drop_columns(["prompt_order"])
+    table = pa.concat_tables(tables)
+    table = _sorted(table) if part is not None else merge_parts([table])
     info = {
         "prompts_given": len(prompts),
         "prompts_used": len(keep),
@@ -204,11 +244,29 @@ def certify_prompts(
         "positions": table.num_rows,
         **{k: round(v, 3) for k, v in timings.items()},
     }
+    if part is not None:
+        info["part"] = {"index": part[0], "count": part[1], "prompts": len(order)}
+    if mesh is not None:
+        info["mesh"] = dict(mesh.shape)
     return table, info
 
 
-def _new_cache(lm, batch: int, length: int):
-    return models.KVCache.create(lm.config, batch, length, dtype=lm.model.dtype)
+def _sorted(table: pa.Table) -> pa.Table:
+    return table.sort_by([("prompt_order", "ascending"), ("position", "ascending")])
+
+
+def merge_parts(tables: Sequence[pa.Table]) -> pa.Table:
+    """Joins the tables of :func:`certify_prompts` runs with ``part=(i, n)``, ``i < n``.
+
+    The result is the table of one run over all prompts: rows in prompt order, then position
+    order, without the ``prompt_order`` column.
+    """
+    return _sorted(pa.concat_tables(tables)).drop_columns(["prompt_order"])
+
+
+def _new_cache(lm, batch: int, length: int, mesh=None):
+    """An empty cache; on a mesh its rows split over "data", its heads over "model"."""
+    return models.KVCache.create(lm.config, batch, length, dtype=lm.model.dtype, mesh=mesh)
 
 
 def _batch_table(parts, batch, prompts, lengths, rules, options) -> pa.Table:

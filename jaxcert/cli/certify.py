@@ -2,26 +2,64 @@
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import pathlib
 import sys
+import textwrap
 import time
 
+from jaxcert import mesh as mesh_lib
 from jaxcert._argtypes import non_negative, positive
 from jaxcert.cli import DEFAULT_RULES, DEFAULT_TARGET
 
 __all__ = ["add_parser", "run"]
+
+_SCALING = """
+scaling out:
+  --mesh data=D,model=M spreads each process's work over its local devices: every batch of
+  prompts is split over the D data devices (the batch size is rounded up to a multiple of
+  D) and the weights over the M model devices (tensor parallelism; M = 1: replicated). The
+  default puts every local device on data. With M = 1 each row's numbers are bit-identical
+  to a one-device run whose --batch-size is the rows per device, and equal to float32
+  rounding to any other one-device run; M > 1 changes summation orders (float32 rounding
+  too). The greedy tokens are the same.
+
+  Several processes (hosts, nodes, or CPU processes on one machine) split the prompts:
+  each certifies its share (the prompts sorted by length, dealt round-robin) on its own
+  devices, with the shapes of a one-process run, and writes
+  positions.part-IIIII-of-NNNNN.parquet to its --out. Process 0 gathers the parts through
+  JAX's coordination service (no shared file system is needed), writes positions.parquet
+  (the one-process table, row for row), the summaries and run.json to its --out, and every
+  process removes its part file. A process that fails makes the others exit with an error
+  naming it. Every process runs the same command:
+
+    TPU pod (run on every host):   jaxcert certify --distributed ...
+    SLURM, one task per node:      srun --ntasks-per-node=1 jaxcert certify --distributed ...
+    anything else (ssh, localhost; process 0 listens on PORT of HOST):
+      jaxcert certify --coordinator HOST:PORT --num-processes N --process-id I ...
+      (or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID in the environment)
+
+  --distributed lets jax.distributed.initialize() detect the cluster (Cloud TPU, SLURM,
+  Open MPI). On GPU clusters run one process per node (each drives its node's GPUs) or one
+  per GPU (CUDA_VISIBLE_DEVICES or JAX_LOCAL_DEVICE_IDS). CPU processes use gloo.
+"""
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "certify",
         help="exact certificates of every rule at every greedy position of a real model",
-        description="Greedy-decode each prompt with the target and record, per position, the "
-        "target's top-1 probability, top-10 coverage, margin, entropy and the exact "
-        "certificate C_p (nats) of every rule. Writes positions.parquet, summary tables and "
-        "plots to --out.",
+        description=textwrap.fill(
+            "Greedy-decode each prompt with the target and record, per position, the "
+            "target's top-1 probability, top-10 coverage, margin, entropy and the exact "
+            "certificate C_p (nats) of every rule. Writes positions.parquet, summary tables "
+            "and plots to --out.",
+            width=90,
+        ),
+        epilog=_SCALING,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
         "--target",
@@ -80,6 +118,8 @@ def add_parser(sub) -> None:
         help="output folder (default jaxcert-out/certify)",
     )
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    mesh_lib.add_mesh_argument(p, "each batch of prompts is split over data")
+    mesh_lib.add_distributed_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -90,15 +130,119 @@ def _write_csv(path: pathlib.Path, rows: list[dict]) -> None:
         writer.writerows(rows)
 
 
+_EXCHANGE = "certify/positions"
+
+
+def _to_bytes(table, header: dict) -> bytes:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    sink = pa.BufferOutputStream()
+    meta = {b"jaxcert": json.dumps(header, default=str).encode()}
+    pq.write_table(table.replace_schema_metadata(meta), sink)
+    return sink.getvalue().to_pybytes()
+
+
+def _from_bytes(payload: bytes):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(pa.BufferReader(payload))
+    header = json.loads(table.schema.metadata[b"jaxcert"])
+    return table.replace_schema_metadata(None), header
+
+
+def _merge(payloads: list[bytes], fingerprint: dict):
+    """The merged table and the parts' ``info`` from every process's part (process order)."""
+    from jaxcert import certify
+
+    tables, infos = [], []
+    for i, payload in enumerate(payloads):
+        table, header = _from_bytes(payload)
+        if header["fingerprint"] != json.loads(json.dumps(fingerprint, default=str)):
+            raise ValueError(
+                f"process {i} ran a different job than process 0 (target, prompts, rules or "
+                f"options differ): {header['fingerprint']} vs {fingerprint}; every process "
+                "must run the same command"
+            )
+        tables.append(table)
+        infos.append(header["info"])
+    return certify.merge_parts(tables), infos
+
+
+def _merged_info(infos: list[dict]) -> dict:
+    """One ``info`` for the whole run: counts of the first part, positions summed, the
+    slowest process's timings, and every part's own ``info`` under ``processes``."""
+    first = infos[0]
+    info = {k: first[k] for k in ("prompts_given", "prompts_used", "prompts_skipped_short")}
+    info["positions"] = sum(i["positions"] for i in infos)
+    for key in ("prefill_s", "decode_s"):
+        info[key] = max(i[key] for i in infos)
+    info["processes"] = infos
+    return info
+
+
+class _Peers:
+    """This process's side of the end of a multi-process run (no-ops for a single process).
+
+    Every process ends by telling the others how it went, exactly once: the parts go to
+    process 0 (:func:`jaxcert.mesh.exchange_bytes`), process 0 announces the merged outcome
+    (:func:`jaxcert.mesh.announce_result`), and a process that fails says so at once
+    instead of leaving the others waiting.
+    """
+
+    def __init__(self, dist: mesh_lib.Distributed):
+        self.dist = dist
+        self.told = dist.process_count == 1
+
+    def send(self, payload: bytes) -> list[bytes] | None:
+        """Process 0: every part; elsewhere ``None`` once process 0 has merged them."""
+        self.told = not self.dist.is_main  # process 0 still has to announce the outcome
+        return mesh_lib.exchange_bytes(_EXCHANGE, payload, self.dist)
+
+    def done(self) -> None:
+        if not self.told:
+            self.told = True
+            mesh_lib.announce_result(_EXCHANGE, self.dist)
+
+    def fail(self, err: BaseException) -> None:
+        if self.told:
+            return
+        self.told = True
+        message = f"{type(err).__name__}: {err}"
+        if self.dist.is_main:
+            mesh_lib.announce_result(_EXCHANGE, self.dist, error=message)
+        else:
+            mesh_lib.exchange_bytes(_EXCHANGE, None, self.dist, error=message)
+
+
 def run(args) -> int:
+    # Before anything touches JAX's devices: join the other processes, if any.
+    dist = mesh_lib.initialize_distributed(
+        args.coordinator, args.num_processes, args.process_id, auto=args.distributed
+    )
+    peers = _Peers(dist)
+    try:
+        return _run(args, dist, peers)
+    except BaseException as err:
+        peers.fail(err)
+        if isinstance(err, mesh_lib.ProcessFailed):  # another process's failure
+            print(f"jaxcert certify: error: {err}", file=sys.stderr)
+            return 2
+        raise
+
+
+def _run(args, dist: mesh_lib.Distributed, peers: _Peers) -> int:
     import jax.numpy as jnp
     import pyarrow as pa
     import pyarrow.parquet as pq
     from tqdm import tqdm
 
-    from jaxcert import certify, certify_report, models, prompts
+    from jaxcert import certify, models, prompts
     from jaxcert.rules import parse_rules
 
+    multi = dist.process_count > 1
+    tag = f"[jaxcert {dist.process_index + 1}/{dist.process_count}]" if multi else "[jaxcert]"
     rules = parse_rules(args.rules)
     options = certify.CertifyOptions(
         steps=args.steps,
@@ -108,22 +252,27 @@ def run(args) -> int:
         chat=not args.no_chat,
         system_prompt=args.system_prompt,
     )
+    device_mesh = mesh_lib.make_mesh(args.mesh)
+    mesh = device_mesh if device_mesh.size > 1 else None  # one device: no placement at all
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     prompt_set = prompts.load_prompts(args.prompts, turn=args.turn, max_prompts=args.max_prompts)
     t0 = time.perf_counter()
-    lm = models.load(args.target, dtype=jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32)
+    dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
+    lm = models.load(args.target, dtype=dtype, mesh=mesh)  # each weight onto its shards
     load_s = time.perf_counter() - t0
     print(
-        f"[jaxcert] target {lm.path.name}: {lm.config.num_layers} layers, "
+        f"{tag} target {lm.path.name}: {lm.config.num_layers} layers, "
         f"V={lm.config.vocab_size}, loaded in {load_s:.1f} s; {len(prompt_set)} prompts, "
-        f"rules: {', '.join(r.spec for r in rules)}",
+        f"rules: {', '.join(r.spec for r in rules)}; mesh {mesh_lib.describe(device_mesh)}"
+        + (f"; process {dist.process_index} of {dist.process_count}" if multi else ""),
         file=sys.stderr,
     )
 
     done: list[pa.Table] = []
-    bar = tqdm(total=1, unit="step", desc="certify", file=sys.stderr, dynamic_ncols=True)
+    desc = f"certify {dist.process_index + 1}/{dist.process_count}" if multi else "certify"
+    bar = tqdm(total=1, unit="step", desc=desc, file=sys.stderr, dynamic_ncols=True)
 
     def progress(step, total):
         bar.total = total
@@ -137,24 +286,69 @@ def run(args) -> int:
         "rules": [r.spec for r in rules],
         "options": vars(options) | {},
         "load_s": round(load_s, 2),
+        "mesh": dict(device_mesh.shape),
     }
+    if multi:
+        meta["process_count"] = dist.process_count
+    # What every process must agree on to make one table.
+    fingerprint = {k: meta[k] for k in ("prompts", "rules", "options")}
+    fingerprint |= {"target": args.target, "turn": args.turn, "prompts_given": len(prompt_set)}
+    part = (dist.process_index, dist.process_count) if multi else None
+    suffix = dist.part_name("", "") if multi else ""  # ".part-00001-of-00004"
     try:
         table, info = certify.certify_prompts(
-            lm, prompt_set, rules, options, progress=progress, on_batch=done.append
+            lm,
+            prompt_set,
+            rules,
+            options,
+            mesh=mesh,
+            part=part,
+            progress=progress,
+            on_batch=done.append,
         )
     except BaseException:
         bar.close()
         if done:  # keep what was computed before the failure
-            pq.write_table(pa.concat_tables(done), out / "positions.partial.parquet")
-            meta["status"] = "failed; partial results in positions.partial.parquet"
-            (out / "run.json").write_text(json.dumps(meta, indent=2, default=str))
+            partial = f"positions.partial{suffix}.parquet"
+            partial_table = pa.concat_tables(done)
+            if multi:
+                partial_table = partial_table.drop_columns(["prompt_order"])
+            pq.write_table(partial_table, out / partial)
+            meta["status"] = f"failed; partial results in {partial}"
+            (out / f"run{suffix}.json").write_text(json.dumps(meta, indent=2, default=str))
             print(
-                f"[jaxcert] failed; {sum(t.num_rows for t in done)} positions saved to "
-                f"{out / 'positions.partial.parquet'}",
+                f"{tag} failed; {sum(t.num_rows for t in done)} positions saved to {out / partial}",
                 file=sys.stderr,
             )
         raise
     bar.close()
+    if multi:
+        part_file = out / dist.part_name("positions", ".parquet")
+        payload = _to_bytes(table, {"fingerprint": fingerprint, "info": info})
+        part_file.write_bytes(payload)
+        payloads = peers.send(payload)
+        if not dist.is_main:  # process 0 has merged the parts: this one is done
+            part_file.unlink(missing_ok=True)
+            print(
+                f"{tag} {info['positions']} positions of {info['part']['prompts']} prompts "
+                "sent to process 0, which wrote the tables",
+                file=sys.stderr,
+            )
+            return 0
+        table, infos = _merge(payloads, fingerprint)
+        info = _merged_info(infos)
+    _write_report(args, out, table, info, meta, rules, options, started)
+    peers.done()
+    if multi:
+        part_file.unlink(missing_ok=True)
+    return 0
+
+
+def _write_report(args, out, table, info, meta, rules, options, started) -> None:
+    import pyarrow.parquet as pq
+
+    from jaxcert import certify, certify_report
+
     pq.write_table(table, out / "positions.parquet")
     rule_cols = [certify.rule_column(r) for r in rules]
     stat_cols = ["top1", f"top{options.top}_coverage", "margin", "entropy"]
@@ -180,4 +374,3 @@ def run(args) -> int:
         f"in {meta['total_s']} s",
         file=sys.stderr,
     )
-    return 0

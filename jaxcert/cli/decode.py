@@ -11,6 +11,7 @@ import pathlib
 import sys
 import time
 
+from jaxcert import mesh as mesh_lib
 from jaxcert._argtypes import non_negative, non_negative_float, positive, unit_float
 from jaxcert._validate import round_up
 from jaxcert.cli import DEFAULT_DECODE_TARGET, DEFAULT_DRAFTER
@@ -25,7 +26,11 @@ def add_parser(sub) -> None:
         description="Decode each prompt with the target alone and with speculative decoding "
         "(drafter + policy + verification rule), in the same run, and report throughput, "
         "speedup, acceptance and, per drafted position, KL(p||q) and the certificate C_p. "
-        "Writes rounds.parquet, nodes.parquet, outputs.jsonl and summary.json to --out.",
+        "Writes rounds.parquet, nodes.parquet, outputs.jsonl and summary.json to --out. "
+        "With --mesh data=D,model=M each batch's rows are split over the D data devices "
+        "(a batch is padded to a multiple of D with rows that are dropped) and the weights "
+        "of both models over the M model devices; greedy outputs are identical to a "
+        "one-device run.",
     )
     p.add_argument(
         "--target",
@@ -87,6 +92,7 @@ def add_parser(sub) -> None:
         default=pathlib.Path("jaxcert-out/decode"),
         help="output folder (default jaxcert-out/decode)",
     )
+    mesh_lib.add_mesh_argument(p, "batch rows over data, both models' weights over model")
     p.set_defaults(func=run)
 
 
@@ -108,13 +114,15 @@ def run(args) -> int:
         top_p=args.top_p,
         collect_stats=not args.no_certificates,
     )  # validates temperature against the rule before anything is loaded
+    device_mesh = mesh_lib.make_mesh(args.mesh)
+    mesh = device_mesh if device_mesh.size > 1 else None  # one device: no placement at all
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     prompt_set = prompts.load_prompts(args.prompts, turn=args.turn, max_prompts=args.max_prompts)
     t0 = time.perf_counter()
-    target = models.load(args.target)
-    drafter = models.load(args.drafter)
+    target = models.load(args.target, mesh=mesh)  # each weight onto its shards
+    drafter = models.load(args.drafter, mesh=mesh)
     decoding.check_pair(target, drafter)
     load_s = time.perf_counter() - t0
     config = dataclasses.replace(config, eos_ids=target.eos_ids)
@@ -131,7 +139,7 @@ def run(args) -> int:
         f"[jaxcert] target {target.path.name} ({target.config.num_layers} layers), drafter "
         f"{drafter.path.name} ({drafter.config.num_layers} layers), V={target.config.vocab_size},"
         f" loaded in {load_s:.1f} s; {len(encoded)} prompts; policy {policy.spec}, verify "
-        f"{verification.spec}, T={args.temperature}",
+        f"{verification.spec}, T={args.temperature}; mesh {mesh_lib.describe(device_mesh)}",
         file=sys.stderr,
     )
     key = jax.random.key(args.seed)
@@ -190,6 +198,7 @@ def run(args) -> int:
         "max_new_tokens": args.max_new_tokens,
         "max_draft": max_draft,
         "batch_size": args.batch_size,
+        "mesh": dict(device_mesh.shape),
         "seed": args.seed,
         "load_s": round(load_s, 2),
         "total_s": round(time.perf_counter() - started, 1),

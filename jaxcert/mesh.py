@@ -1,0 +1,423 @@
+"""Device meshes and multi-process runs for the command line (``--mesh``, ``--coordinator``).
+
+One process drives a mesh of its *local* devices with two axes: ``data`` splits the batch of
+prompts, ``model`` (tensor parallelism) splits the weights. Several processes (the hosts of
+a TPU pod, the nodes of a GPU cluster, or CPU processes on one machine) each certify their
+share of the prompts on their own devices and meet only to merge the results, through the
+coordination service of :func:`jax.distributed.initialize` (no cross-host device
+collectives and no shared file system are needed).
+
+Launching ``N`` processes (each runs the same command):
+
+* **TPU pod** (every host of the slice): ``jaxcert certify --distributed ...``; JAX detects
+  the coordinator, the process count and this host's index itself.
+* **SLURM** (one task per node, ``srun --ntasks-per-node=1 jaxcert certify --distributed
+  ...``): detected from ``SLURM_*`` variables; Open MPI (``mpirun``) likewise.
+* **Anything else** (plain ssh, containers, CPU processes on localhost): pass
+  ``--coordinator HOST:PORT --num-processes N --process-id I`` (process 0 listens on
+  ``PORT`` of ``HOST``), or set ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and
+  ``JAX_PROCESS_ID``. On CPU the collectives go through gloo.
+
+Example::
+
+  >>> parse_mesh("data=2,model=4")
+  {'data': 2, 'model': 4}
+  >>> mesh = make_mesh(None)  # every local device on "data"
+  >>> mesh.axis_names, mesh.shape["model"]
+  (('data', 'model'), 1)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Mapping, Sequence
+
+from jaxcert._argtypes import non_negative, positive
+
+__all__ = [
+    "AXES",
+    "Distributed",
+    "ProcessFailed",
+    "add_distributed_arguments",
+    "add_mesh_argument",
+    "announce_result",
+    "data_size",
+    "describe",
+    "exchange_bytes",
+    "initialize_distributed",
+    "make_mesh",
+    "parse_mesh",
+    "place",
+    "process_share",
+    "shard_model",
+]
+
+#: Mesh axis names, in mesh order: ``data`` splits the batch, ``model`` the weights.
+AXES = ("data", "model")
+
+_ENV = {
+    "coordinator": "JAX_COORDINATOR_ADDRESS",
+    "num_processes": "JAX_NUM_PROCESSES",
+    "process_id": "JAX_PROCESS_ID",
+}
+
+
+def parse_mesh(spec: str) -> dict[str, int]:
+    """Parses ``"data=2,model=4"`` into ``{"data": 2, "model": 4}`` (axes in the given order).
+
+    Raises:
+      ValueError: an empty spec, an entry that is not ``AXIS=SIZE``, an axis other than
+        ``data``/``model``, an axis given twice, or a size that is not a positive integer.
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"--mesh must look like data=2,model=4, got {spec!r}")
+    axes: dict[str, int] = {}
+    for entry in spec.split(","):
+        name, sep, size = (part.strip() for part in entry.partition("="))
+        if not sep or not name or not size:
+            raise ValueError(f"--mesh entry {entry.strip()!r} is not AXIS=SIZE (e.g. data=2)")
+        if name not in AXES:
+            raise ValueError(f"--mesh axis {name!r} is unknown; the axes are {', '.join(AXES)}")
+        if name in axes:
+            raise ValueError(f"--mesh axis {name!r} is given twice")
+        try:
+            value = int(size)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise ValueError(f"--mesh {name}={size}: the size must be a positive integer")
+        axes[name] = value
+    return axes
+
+
+def _describe(axes: Mapping[str, int]) -> str:
+    return ",".join(f"{k}={v}" for k, v in axes.items())
+
+
+def describe(mesh) -> str:
+    """``"data=2,model=4"``: a mesh's shape as ``--mesh`` spells it."""
+    return _describe(dict(mesh.shape))
+
+
+def make_mesh(spec: str | Mapping[str, int] | None = None, *, devices: Sequence | None = None):
+    """A ``("data", "model")`` mesh over this process's devices (``Auto`` axes).
+
+    Args:
+      spec: ``"data=2,model=4"`` (:func:`parse_mesh`), the same as a mapping, or ``None``:
+        every device on ``data``. An omitted ``model`` is 1; an omitted ``data`` takes the
+        devices ``model`` leaves (``model=4`` on 8 devices is ``data=2,model=4``).
+      devices: the devices (default ``jax.local_devices()``: a process drives only its own).
+
+    Returns:
+      A ``jax.sharding.Mesh`` of shape ``(data, model)``.
+
+    Raises:
+      ValueError: the sizes do not multiply to the number of devices.
+    """
+    import jax
+    import numpy as np
+    from jax.sharding import AxisType, Mesh
+
+    devices = list(jax.local_devices() if devices is None else devices)
+    n = len(devices)
+    axes = dict(parse_mesh(spec) if isinstance(spec, str) else (spec or {}))
+    given = _describe(axes) if axes else None
+    model = axes.get("model", 1)
+    if "data" not in axes:
+        if n % model:
+            raise ValueError(
+                f"--mesh {given}: {n} devices do not split into groups of model={model} "
+                f"(this process sees {n} devices)"
+            )
+        axes["data"] = n // model
+    data = axes["data"]
+    if data * model != n:
+        raise ValueError(
+            f"--mesh {given} needs {data * model} devices, this process sees {n}; the sizes "
+            "must multiply to the number of local devices (set them with --mesh, e.g. "
+            f"--mesh data={n})"
+        )
+    grid = np.asarray(devices, dtype=object).reshape(data, model)
+    return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+
+
+def data_size(mesh) -> int:
+    """Size of the mesh's ``data`` axis, after checking its axes are ``data`` and ``model``.
+
+    Raises:
+      ValueError: other axes.
+    """
+    shape = dict(mesh.shape)
+    if set(shape) - set(AXES):
+        raise ValueError(f"mesh axes must be {' and '.join(AXES)}, got {tuple(shape)}")
+    return shape.get("data", 1)
+
+
+def place(tree, mesh, spec):
+    """``tree`` on ``NamedSharding(mesh, spec)``: ``P()`` replicates, ``P("data")`` splits
+    the leading (batch) axis over ``data``. The identity without a mesh."""
+    if mesh is None:
+        return tree
+    import jax
+    from jax.sharding import NamedSharding
+
+    return jax.device_put(tree, NamedSharding(mesh, spec))
+
+
+def shard_model(model, mesh):
+    """``model`` (an ``nnx`` module) on ``mesh`` by ``jaxcert.models.shard``: weights split
+    over ``model`` (tensor parallelism), activations and cache rows constrained to ``data``.
+    The model itself when it already lives there, or without a mesh."""
+    from jaxcert import models
+    from jaxcert.models import sharding
+
+    layout = sharding.layout_of(model)
+    if mesh is None or (layout is not None and layout.mesh == mesh):
+        return model
+    return models.shard(model, mesh)
+
+
+@dataclasses.dataclass(frozen=True)
+class Distributed:
+    """Where this process stands in a multi-process run.
+
+    Attributes:
+      process_index: this process (``0 <= process_index < process_count``).
+      process_count: number of processes (1: a plain single-process run).
+    """
+
+    process_index: int = 0
+    process_count: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        """True on process 0, which merges the parts and writes the summaries."""
+        return self.process_index == 0
+
+    def part_name(self, stem: str, suffix: str) -> str:
+        """``{stem}.part-00001-of-00004{suffix}``: this process's file of a shared output."""
+        return f"{stem}.part-{self.process_index:05d}-of-{self.process_count:05d}{suffix}"
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None or not value.strip():
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"${name} must be an integer, got {value!r}") from None
+
+
+def initialize_distributed(
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    auto: bool = False,
+    timeout_s: int = 300,
+) -> Distributed:
+    """Calls :func:`jax.distributed.initialize` when the arguments or environment ask for it.
+
+    Must run before anything else touches JAX's devices. Arguments left ``None`` are read
+    from ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``.
+    Nothing is initialised (a single-process run) when none of the three is set and
+    ``auto`` is false; with ``auto`` JAX detects the cluster (TPU pods, SLURM, Open MPI).
+
+    Args:
+      coordinator: ``HOST:PORT`` of process 0's coordination service.
+      num_processes: number of processes.
+      process_id: this process's index.
+      auto: initialise even with nothing given (cluster auto-detection).
+      timeout_s: how long to wait for every process to connect.
+
+    Returns:
+      A :class:`Distributed` (``process_index``, ``process_count``).
+
+    Raises:
+      ValueError: an incomplete or inconsistent set of values, or a failed connection.
+    """
+    import jax
+
+    coordinator = coordinator or os.environ.get(_ENV["coordinator"]) or None
+    if num_processes is None:
+        num_processes = _env_int(_ENV["num_processes"])
+    if process_id is None:
+        process_id = _env_int(_ENV["process_id"])
+    given = (coordinator, num_processes, process_id)
+    if all(v is None for v in given) and not auto:
+        return Distributed()
+    if num_processes is not None and num_processes < 1:
+        raise ValueError(f"--num-processes must be >= 1, got {num_processes}")
+    if process_id is not None and num_processes is not None:
+        if not 0 <= process_id < num_processes:
+            raise ValueError(
+                f"--process-id must be in [0, {num_processes}) with --num-processes "
+                f"{num_processes}, got {process_id}"
+            )
+    if num_processes == 1 and process_id in (None, 0) and not auto:
+        return Distributed()  # one process: nothing to coordinate
+    if not auto and None in given:
+        missing = [
+            f"--{k.replace('_', '-')} (or ${_ENV[k]})"
+            for k, v in zip(_ENV, given, strict=True)
+            if v is None
+        ]
+        raise ValueError(
+            f"a multi-process run needs {', '.join(missing)} too; or pass --distributed to "
+            "let JAX detect the cluster (TPU pods, SLURM, Open MPI)"
+        )
+    if coordinator is not None and (":" not in coordinator or not coordinator.rsplit(":", 1)[1]):
+        raise ValueError(f"--coordinator must be HOST:PORT, got {coordinator!r}")
+    try:  # gloo is the default in recent JAX; older versions had no CPU collectives
+        if jax.config.jax_cpu_collectives_implementation in (None, "none"):
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    except AttributeError:  # an option this JAX does not know
+        pass
+    try:
+        jax.distributed.initialize(
+            coordinator_address=coordinator,
+            num_processes=num_processes,
+            process_id=process_id,
+            initialization_timeout=timeout_s,
+        )
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(
+            f"jax.distributed.initialize failed (coordinator {coordinator}, "
+            f"{num_processes} processes, process {process_id}): {err}"
+        ) from err
+    return Distributed(jax.process_index(), jax.process_count())
+
+
+def process_share(items: Sequence, dist: Distributed) -> list:
+    """This process's items: every ``process_count``-th one, from ``process_index``."""
+    return list(items[dist.process_index :: dist.process_count])
+
+
+def add_mesh_argument(p, what: str, default: str = "every local device on data") -> None:
+    """Adds ``--mesh data=D,model=M`` to an ``argparse`` parser (checked by :func:`make_mesh`)."""
+    p.add_argument(
+        "--mesh",
+        default=None,
+        metavar="data=D,model=M",
+        help=f"device mesh of this process: {what} (default: {default})",
+    )
+
+
+def add_distributed_arguments(p) -> None:
+    """Adds ``--coordinator``, ``--num-processes``, ``--process-id`` and ``--distributed``
+    (read by :func:`initialize_distributed`)."""
+    g = p.add_argument_group("multi-process runs (see 'scaling out' below)")
+    g.add_argument(
+        "--coordinator",
+        default=None,
+        metavar="HOST:PORT",
+        help="address of process 0's coordination service (or $JAX_COORDINATOR_ADDRESS)",
+    )
+    g.add_argument(
+        "--num-processes",
+        type=positive,
+        default=None,
+        help="number of processes (or $JAX_NUM_PROCESSES)",
+    )
+    g.add_argument(
+        "--process-id",
+        type=non_negative,
+        default=None,
+        help="this process's index, 0 to N-1 (or $JAX_PROCESS_ID)",
+    )
+    g.add_argument(
+        "--distributed",
+        action="store_true",
+        help="call jax.distributed.initialize() and let JAX detect the rest (TPU pods, "
+        "SLURM, Open MPI)",
+    )
+
+
+def _client():
+    from jax._src import distributed  # the handle jax.experimental.multihost_utils uses
+
+    client = distributed.global_state.client
+    if client is None:
+        raise RuntimeError("jax.distributed is not initialised")
+    return client
+
+
+_FAILED = b"\x00jaxcert-failed\x00"
+
+
+class ProcessFailed(RuntimeError):
+    """Another process of a multi-process run failed or did not answer in time."""
+
+
+def exchange_bytes(
+    name: str,
+    payload: bytes | None,
+    dist: Distributed,
+    *,
+    error: str | None = None,
+    timeout_s: float = 24 * 3600,
+) -> list[bytes] | None:
+    """Sends this process's ``payload`` to process 0; process 0 gets every process's, in order.
+
+    Goes through the key-value store of JAX's coordination service, so the processes need
+    no shared file system. A process that failed passes ``error`` instead of a payload:
+    process 0 then raises at once instead of waiting for it. The other processes then wait
+    for process 0's :func:`announce_result`, so every process ends with the run's outcome.
+
+    Args:
+      name: a key unique to this exchange (the same on every process).
+      payload: this process's bytes (ignored when ``error`` is set).
+      dist: this process's :class:`Distributed`.
+      error: this process's failure, reported to process 0.
+      timeout_s: how long a process waits for each answer it needs.
+
+    Returns:
+      On process 0 the ``process_count`` payloads in process order; ``None`` elsewhere.
+
+    Raises:
+      ProcessFailed: another process failed or did not answer in time (on process 0: any
+        process; elsewhere: process 0, as announced).
+    """
+    if dist.process_count == 1:
+        return None if error is not None else [payload or b""]
+    client = _client()
+    value = _FAILED + error.encode() if error is not None else (payload or b"")
+    if not dist.is_main:
+        client.key_value_set_bytes(f"jaxcert/{name}/{dist.process_index}", value)
+        if error is None:
+            _check(_get(client, f"jaxcert/{name}/result", timeout_s, 0, dist), 0, dist)
+        return None
+    if error is not None:
+        return None
+    parts = [value]
+    for i in range(1, dist.process_count):
+        parts.append(_check(_get(client, f"jaxcert/{name}/{i}", timeout_s, i, dist), i, dist))
+    return parts
+
+
+def announce_result(name: str, dist: Distributed, error: str | None = None) -> None:
+    """Process 0 tells the others how the run ended (they wait in :func:`exchange_bytes`)."""
+    if dist.process_count > 1 and dist.is_main:
+        value = b"ok" if error is None else _FAILED + error.encode()
+        _client().key_value_set_bytes(f"jaxcert/{name}/result", value)
+
+
+def _get(client, key: str, timeout_s: float, i: int, dist: Distributed) -> bytes:
+    t0 = time.monotonic()
+    try:
+        return client.blocking_key_value_get_bytes(key, int(timeout_s * 1e3))
+    except Exception as err:  # the client raises XlaRuntimeError (DEADLINE_EXCEEDED, ...)
+        raise ProcessFailed(
+            f"process {i} of {dist.process_count} sent no result within "
+            f"{time.monotonic() - t0:.0f} s: {err}"
+        ) from None
+
+
+def _check(value: bytes, i: int, dist: Distributed) -> bytes:
+    if value.startswith(_FAILED):
+        reason = value[len(_FAILED) :].decode()
+        raise ProcessFailed(f"process {i} of {dist.process_count} failed: {reason}")
+    return value
