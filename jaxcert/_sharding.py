@@ -41,11 +41,13 @@ from jaxcert import _numerics
 __all__ = [
     "AxisName",
     "axis_size",
+    "count_and_top_k",
     "entropy",
     "gather_row",
     "log_softmax",
     "normalizer",
     "route",
+    "row_summary",
     "shard_offset",
     "top_k",
     "vocab_max",
@@ -103,8 +105,7 @@ def entropy(x, x_max, total, axis_name: AxisName):
     """``H(softmax(x))`` in nats over the whole row, given its global max and normaliser."""
     if axis_name is None:
         return _numerics.entropy(x, x_max, total)
-    shifted = jnp.maximum(x - x_max[..., None], -1e4)
-    weighted = lax.psum(jnp.sum(jnp.exp(shifted) * shifted, axis=-1), axis_name)
+    weighted = lax.psum(_numerics.entropy_sum(x, x_max), axis_name)
     return jnp.log(total) - weighted / total
 
 
@@ -124,6 +125,89 @@ def top_k(x, k: int, axis_name: AxisName):
     return values, jnp.take_along_axis(ids, pos, axis=-1)
 
 
+def row_summary(x, k: int, need_entropy: bool, axis_name: AxisName):
+    """Max, normaliser, entropy and top-``k`` of each row, with one collective when split.
+
+    Each shard sends ``(max_i, S_i, W_i, its top-k values and ids)`` with
+    ``S_i = sum exp(x - max_i)`` and ``W_i = sum exp(x - max_i) (x - max_i)`` in one
+    ``all_gather`` of ``3 + 2k`` numbers per row; then ``M = max_i max_i``,
+    ``S = sum_i S_i e^(max_i - M)``, ``H = log S - sum_i e^(max_i - M) (W_i + (max_i - M) S_i)
+    / S`` and the top-``k`` of the ``n k`` candidates (ids travel as floats: exact below
+    ``2^24`` tokens in float32).
+
+    Args:
+      x: ``[B, V_local]`` in the compute dtype.
+      k: ``1 <= k <= V`` (the whole row's ``V``).
+      need_entropy: also return ``H(p)`` (else ``None``).
+      axis_name: the mesh axes splitting the row, or ``None``.
+
+    Returns:
+      ``(x_max, total, entropy, top_values, top_ids)``: ``[B]``, ``[B]``, ``[B]`` or ``None``,
+      ``[B, k]`` decreasing, ``[B, k]`` int32 global ids (ties to the lower id).
+    """
+    if axis_name is None or x.shape[-1] * axis_size(axis_name) >= 2**24:
+        x_max, total = normalizer(x, axis_name)
+        ent = entropy(x, x_max, total, axis_name) if need_entropy else None
+        values, ids = top_k(x, k, axis_name)
+        return x_max, total, ent, values, ids
+    local = x.shape[-1]
+    m = jnp.max(x, axis=-1)
+    empty = ~(m > -jnp.inf)  # all -inf (or NaN): contributes nothing, or poisons via m
+    safe_m = jnp.where(empty, 0.0, m)
+    s_local = jnp.sum(jnp.exp(x - safe_m[..., None]), axis=-1)
+    w_local = _numerics.entropy_sum(x, safe_m) if need_entropy else jnp.zeros_like(m)
+    values, ids = _numerics.top_k(x, min(k, local))
+    ids = ids + shard_offset(local, axis_name)
+    packed = jnp.concatenate(
+        [m[..., None], s_local[..., None], w_local[..., None], values, ids.astype(x.dtype)], -1
+    )
+    gathered = _gather_last(packed[..., None, :], axis_name, axis=-2)  # [B, n, 3 + 2k']
+    m_all, s_all, w_all = gathered[..., 0], gathered[..., 1], gathered[..., 2]
+    kk = values.shape[-1]
+    x_max = jnp.max(m_all, axis=-1)
+    scale = jnp.where(m_all > -jnp.inf, jnp.exp(m_all - x_max[..., None]), 0.0)
+    total = jnp.sum(scale * s_all, axis=-1)
+    ent = None
+    if need_entropy:
+        gap = jnp.where(m_all > -jnp.inf, m_all - x_max[..., None], 0.0)
+        weighted = jnp.sum(scale * (w_all + gap * s_all), axis=-1)
+        ent = jnp.log(total) - weighted / total
+    cand_v = gathered[..., 3 : 3 + kk].reshape(*x.shape[:-1], -1)
+    cand_i = gathered[..., 3 + kk :].reshape(*x.shape[:-1], -1).astype(jnp.int32)
+    top_v, pos = lax.top_k(cand_v, k)
+    return x_max, total, ent, top_v, jnp.take_along_axis(cand_i, pos, axis=-1)
+
+
+def count_and_top_k(mask, key, k: int, axis_name: AxisName):
+    """``sum(mask)`` and the top-``k`` of ``key`` over the whole row, one collective when split.
+
+    Args:
+      mask: ``[..., V_local]`` bool.
+      key: ``[..., V_local]`` floating.
+      k: ``1 <= k <= V``.
+      axis_name: the mesh axes splitting the row, or ``None``.
+
+    Returns:
+      ``(count, values, ids)``: ``[...]`` int32, ``[..., k]``, ``[..., k]`` int32 global ids.
+    """
+    local = key.shape[-1]
+    if axis_name is None or local * axis_size(axis_name) >= 2**24:
+        return vocab_sum(mask.astype(jnp.int32), axis_name), *top_k(key, k, axis_name)
+    count = jnp.sum(mask, axis=-1, dtype=jnp.int32)
+    values, ids = _numerics.top_k(key, min(k, local))
+    ids = ids + shard_offset(local, axis_name)
+    packed = jnp.concatenate(
+        [count[..., None].astype(key.dtype), values, ids.astype(key.dtype)], -1
+    )
+    gathered = _gather_last(packed[..., None, :], axis_name, axis=-2)  # [..., n, 1 + 2k']
+    kk = values.shape[-1]
+    total = jnp.sum(gathered[..., 0], axis=-1).astype(jnp.int32)
+    cand_v = gathered[..., 1 : 1 + kk].reshape(*key.shape[:-1], -1)
+    cand_i = gathered[..., 1 + kk :].reshape(*key.shape[:-1], -1).astype(jnp.int32)
+    top_v, pos = lax.top_k(cand_v, k)
+    return total, top_v, jnp.take_along_axis(cand_i, pos, axis=-1)
+
+
 def gather_row(x, axis_name: AxisName):
     """The whole row (an ``all_gather`` of every shard: only for rare fallbacks)."""
     if axis_name is None:
@@ -131,7 +215,7 @@ def gather_row(x, axis_name: AxisName):
     return _gather_last(x, axis_name)
 
 
-def _gather_last(tree, axis_name):
+def _gather_last(tree, axis_name, axis: int = -1):
     """``all_gather`` along the last axis; the result is typed invariant over ``axis_name``
     inside a ``shard_map`` that checks varying axes (every shard holds the same result)."""
     names = set(axis_name if isinstance(axis_name, tuple) else (axis_name,))
@@ -139,7 +223,7 @@ def _gather_last(tree, axis_name):
     def gather(x):
         varying = jax.typeof(x).manual_axis_type.varying
         to = "invarying" if names <= set(varying) else "varying"
-        return lax.all_gather(x, axis_name, axis=x.ndim - 1, tiled=True, to=to)
+        return lax.all_gather(x, axis_name, axis=axis % x.ndim, tiled=True, to=to)
 
     return jax.tree.map(gather, tree)
 
@@ -187,6 +271,13 @@ def route(fn: Callable, x, out_specs: Callable[[tuple, Any], Any], axis_name: Ax
     mesh, spec = found
     lead, vocab = spec[:-1], spec[-1]
     vocab_axes = vocab if vocab is None or isinstance(vocab, str) else tuple(vocab)
+    names = (
+        ()
+        if vocab_axes is None
+        else (vocab_axes if isinstance(vocab_axes, tuple) else (vocab_axes,))
+    )
+    if all(mesh.shape[name] == 1 for name in names):
+        vocab_axes = None  # one shard: the whole row is local
     mapped = jax.shard_map(
         lambda a: fn(a, vocab_axes),
         mesh=mesh,

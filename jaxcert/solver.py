@@ -103,14 +103,10 @@ def _prepare(x: jax.Array, window: int, need_entropy: bool, axis_name) -> _Prepa
     x = x.astype(_numerics.compute_dtype(x.dtype))
     # Keep the normalisation independent of top_k's outputs: on CPU, XLA fuses a reduction
     # that reads top_k's result into a loop that recomputes it (100x slower).
-    x_max, total = _sharding.normalizer(x, axis_name)
+    x_max, total, entropy, top_x, top_i = _sharding.row_summary(x, window, need_entropy, axis_name)
     lse = x_max + jnp.log(total)
     # NaN propagates into lse, +inf and an all -inf row make x_max non-finite.
     valid = jnp.isfinite(lse) & jnp.isfinite(x_max)
-    entropy = None
-    if need_entropy:
-        entropy = _sharding.entropy(x, x_max, total, axis_name)
-    top_x, top_i = _sharding.top_k(x, window, axis_name)
     return _Prepared(x, valid, top_x, top_i, top_x[:, 0] - lse, entropy)
 
 
@@ -194,11 +190,10 @@ def _solve_row_exact(x, top_x, log_p_max, entropy, rule, window: int, vocab: int
     m = rule.list_size
     x0 = top_x[0]
     member = rules_lib.in_upper_set(rule, x - x0, log_p_max, entropy)
-    upper = _sharding.vocab_sum(member.astype(jnp.int32), axis_name)
-    impossible = upper > vocab - m
     # T* = top-m of L; -inf logits of L stay above the mask of U (whose key is -inf).
     key = jnp.where(member, -jnp.inf, jnp.maximum(x, jnp.finfo(x.dtype).min))
-    comp_key, comp_i = _sharding.top_k(key, m, axis_name)
+    upper, comp_key, comp_i = _sharding.count_and_top_k(member, key, m, axis_name)
+    impossible = upper > vocab - m
     comp_x = jnp.where(comp_key == jnp.finfo(x.dtype).min, -jnp.inf, comp_key)
     u_valid = jnp.arange(window) < upper
     value_rel, level_rel, pooled_u, pooled_t = _water_fill(top_x, u_valid, comp_x, x0)

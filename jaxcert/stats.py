@@ -79,10 +79,10 @@ def distribution_stats(
 def _stats(x, axis_name, *, top: int) -> DistributionStats:
     x = x.astype(_numerics.compute_dtype(x.dtype))
     vocab = x.shape[-1] * _sharding.axis_size(axis_name)
-    vals, idx = _sharding.top_k(x, min(max(top, 2), vocab), axis_name)
-    x_max, total = _sharding.normalizer(x, axis_name)
+    x_max, total, entropy, vals, idx = _sharding.row_summary(
+        x, min(max(top, 2), vocab), True, axis_name
+    )
     lse = x_max + jnp.log(total)
-    entropy = _sharding.entropy(x, x_max, total, axis_name)
     top1 = jnp.exp(vals[..., 0] - lse)
     second = vals[..., 1] if vals.shape[-1] > 1 else jnp.full_like(top1, -jnp.inf)
     return DistributionStats(

@@ -11,7 +11,12 @@ tree rules <= 3x, and every rule >= 3x faster than NumPy.
 The logits mimic a language model's: a long Gaussian tail plus a few boosted tokens
 whose boost sets how peaked each row is (top-1 probability from ~0.05 to ~1).
 
+With ``--peak-gbps`` (the device's memory bandwidth in GB/s; known for a few accelerators)
+it also reports positions per second against the memory-bandwidth bound: one read of the
+logits (``B * V * itemsize`` bytes) at peak bandwidth, the floor of any exact solver.
+
 Usage: python scripts/bench_certify.py [--batch 64] [--vocab 151936] [--repeats 10]
+       [--dtype float32|bfloat16] [--peak-gbps GB/s] [--json FILE]
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from jaxcert import reference
 from jaxcert.rules import parse_rules
 
 RULES = "greedy,additive:0.3,multiplicative:0.1,typical,topk:2,tree:2,tree:4,tree:8"
+_PEAK_GBPS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0}  # vendors' datasheets
 
 
 def synthetic_logits(batch: int, vocab: int, profile: str = "llm", seed: int = 0) -> np.ndarray:
@@ -71,12 +77,16 @@ def main() -> None:
     parser.add_argument("--rules", default=RULES)
     parser.add_argument("--profile", choices=("llm", "flat"), default="llm",
                         help="shape of the synthetic logits (see synthetic_logits)")  # fmt: skip
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--peak-gbps", type=float, default=None,
+                        help="memory bandwidth (GB/s) for the bandwidth bound; default: known "
+                        "for H100/H200, else not reported")  # fmt: skip
     parser.add_argument("--json", help="also write the results to this JSON file")
     args = parser.parse_args()
 
     rules = parse_rules(args.rules)
     x_np = synthetic_logits(args.batch, args.vocab, args.profile)
-    x = jnp.asarray(x_np)
+    x = jnp.asarray(x_np, dtype=args.dtype)
     p_rows = np.exp(x_np[: args.numpy_rows] - x_np[: args.numpy_rows].max(-1, keepdims=True))
     floor = timed(jax.jit(jax.nn.log_softmax), x, repeats=args.repeats)
     top1 = np.asarray(jax.nn.softmax(x).max(-1))
@@ -111,6 +121,14 @@ def main() -> None:
         target = "" if np.isnan(r["target_x"]) else f" (<= {r['target_x']:.0f})"
         print(f"| {r['rule']} | {r['ms']:.2f} | {r['x_log_softmax']:.2f}{target} | "
               f"{r['numpy_ms']:.0f} | {r['speedup_vs_numpy']:.0f}x |")  # fmt: skip
+    kind = jax.devices()[0].device_kind
+    peak = args.peak_gbps or next((v for k, v in _PEAK_GBPS.items() if k in kind), None)
+    positions = args.batch / t_all
+    print(f"\nall rules together: {positions:,.0f} positions/s ({args.dtype})")
+    if peak:
+        bound = peak * 1e9 / (args.vocab * x.dtype.itemsize)
+        print(f"memory-bandwidth bound (one read of the logits at {peak:.0f} GB/s): "
+              f"{bound:,.0f} positions/s; achieved {positions / bound:.1%} of it")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"floor_ms": floor * 1e3, "batch": args.batch, "vocab": args.vocab,
