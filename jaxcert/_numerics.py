@@ -76,13 +76,13 @@ def top_k(x, k: int):
 
     Ties go to the lower index, as in ``lax.top_k``. On CPU, XLA may turn a ``top_k`` whose
     outputs are fused with their consumers into a sort of the whole row (measured 25x
-    slower at V = 151,936). An optimisation barrier prevented that, but XLA's SPMD
-    partitioner aborts on barriers under sharding; instead, for wide rows on CPU this takes
-    the top-``k`` in two exact stages with nothing to sort but short rows: the ``k``
-    groups of 8-64 tokens with the largest maxima contain the top-``k`` tokens (each group
+    slower at V = 151,936), and on GPU a wide ``top_k`` is slow too. An optimisation
+    barrier prevented the former, but XLA's SPMD partitioner aborts on barriers under
+    sharding; instead, for wide rows this takes the top-``k`` in two exact stages with
+    nothing to sort but short rows: the ``k`` groups of 8-64 tokens with the largest maxima contain the top-``k`` tokens (each group
     ranked above the group of a top-``k`` token holds a token ranked above it, so there
-    are fewer than ``k`` such groups), then a ``top_k`` of those candidates. Other
-    backends, and narrow rows, use ``lax.top_k`` directly.
+    are fewer than ``k`` such groups), then a ``top_k`` of those candidates. Narrow rows
+    use ``lax.top_k`` directly.
 
     Args:
       x: ``[..., V]`` floating.
@@ -95,9 +95,6 @@ def top_k(x, k: int):
     # The widest group of 8-64 tokens that divides V (no padding copy), else 64 and pad.
     size = next((g for g in (_GROUP, _GROUP // 2, _GROUP // 4, _GROUP // 8) if v % g == 0), _GROUP)
     groups = -(-v // size)
-    if jax.default_backend() != "cpu":
-        values, indices = lax.top_k(x, k)
-        return values, indices.astype(jnp.int32)
     if v < _GROUPED_MIN_VOCAB or k >= groups:
         return _unfused_top_k(x, k)
     lead = x.shape[:-1]

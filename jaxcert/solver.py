@@ -40,6 +40,7 @@ from jaxcert._validate import check_int
 __all__ = ["Certificate", "certificate", "certificates", "DEFAULT_TOP_K"]
 
 DEFAULT_TOP_K = 64
+_ROW_BY_ROW_EXACT_PATH = True  # tests switch it off to run the accelerators' batched path
 
 
 @flax.struct.dataclass
@@ -185,17 +186,21 @@ def _solve_window(prep: _Prepared, rule, window: int, vocab: int):
     return sol, exact
 
 
-def _solve_row_exact(x, top_x, log_p_max, entropy, rule, window: int, vocab: int, axis_name):
-    """Exact path for one row ``x: [V]`` (or its shard) whose ``U`` or ``T*`` passes the window."""
+def _solve_exact(x, top_x, log_p_max, entropy, rule, window: int, vocab: int, axis_name):
+    """Exact path for rows ``x: [..., V]`` (or their shards) whose ``U`` or ``T*`` passes the
+    window: a full-row count of ``U`` and a masked top-``m`` for ``T*``; a full sort only for
+    rows that pool more than ``W`` tokens of ``U``. Any leading shape (one row on CPU)."""
     m = rule.list_size
-    x0 = top_x[0]
-    member = rules_lib.in_upper_set(rule, x - x0, log_p_max, entropy)
+    x0 = top_x[..., 0]
+    member = rules_lib.in_upper_set(
+        rule, x - x0[..., None], log_p_max[..., None], entropy[..., None]
+    )
     # T* = top-m of L; -inf logits of L stay above the mask of U (whose key is -inf).
     key = jnp.where(member, -jnp.inf, jnp.maximum(x, jnp.finfo(x.dtype).min))
     upper, comp_key, comp_i = _sharding.count_and_top_k(member, key, m, axis_name)
     impossible = upper > vocab - m
     comp_x = jnp.where(comp_key == jnp.finfo(x.dtype).min, -jnp.inf, comp_key)
-    u_valid = jnp.arange(window) < upper
+    u_valid = jnp.arange(window) < upper[..., None]
     value_rel, level_rel, pooled_u, pooled_t = _water_fill(top_x, u_valid, comp_x, x0)
     windowed = _Solution(
         value_rel,
@@ -207,19 +212,31 @@ def _solve_row_exact(x, top_x, log_p_max, entropy, rule, window: int, vocab: int
         comp_i,
         pooled_t,
     )
+    overflow = (~impossible) & (upper > window) & (pooled_u >= window)
 
     def full_sort():
         # More than `window` tokens of U are pooled: sort the whole row (rare, slow; with a
         # split vocabulary the row is gathered first).
         row = _sharding.gather_row(x, axis_name)
-        neg_sorted, _ = lax.sort((-row, jnp.arange(vocab)), num_keys=1, is_stable=True)
+        ids = jnp.broadcast_to(jnp.arange(vocab), row.shape)
+        neg_sorted, _ = lax.sort((-row, ids), num_keys=1, is_stable=True)
         sx = -neg_sorted
-        valid = jnp.arange(vocab) < upper
+        valid = jnp.arange(vocab) < upper[..., None]
         v, c, pu, pt = _water_fill(sx, valid, comp_x, x0)
-        return _Solution(v, c, impossible, pu, _cut(sx, pu), comp_x, comp_i, pt)
+        sorted_sol = _Solution(v, c, impossible, pu, _cut(sx, pu), comp_x, comp_i, pt)
+        return _select(overflow, sorted_sol, windowed)
 
-    overflow = (~impossible) & (upper > window) & (pooled_u >= window)
-    return lax.cond(overflow, full_sort, lambda: windowed)
+    return lax.cond(jnp.any(overflow), full_sort, lambda: windowed)
+
+
+def _select(flag, a: _Solution, b: _Solution) -> _Solution:
+    """Row-wise ``a if flag else b`` (``flag`` of the rows' leading shape)."""
+
+    def pick(u, v):
+        f = jnp.reshape(flag, flag.shape + (1,) * (u.ndim - flag.ndim))
+        return jnp.where(f, u, v)
+
+    return jax.tree.map(pick, a, b)
 
 
 def _solve(prep: _Prepared, rule, window: int, vocab: int, axis_name) -> _Solution:
@@ -228,17 +245,22 @@ def _solve(prep: _Prepared, rule, window: int, vocab: int, axis_name) -> _Soluti
         return sol
     need = ~exact & prep.valid
     entropy = prep.entropy if prep.entropy is not None else jnp.zeros_like(prep.log_p_max)
+    args = (prep.x, prep.top_x, prep.log_p_max, entropy, rule, window, vocab, axis_name)
 
-    def fix_rows():
-        def one(args):
-            flag, x, top_x, log_p_max, ent, row = args
-            return lax.cond(
-                flag,
-                lambda: _solve_row_exact(x, top_x, log_p_max, ent, rule, window, vocab, axis_name),
-                lambda: row,
-            )
+    if _ROW_BY_ROW_EXACT_PATH and jax.default_backend() == "cpu":
+        # CPU: row by row, so a batch pays only for its hard rows.
+        def fix_rows():
+            def one(row_args):
+                flag, x, top_x, log_p_max, ent, row = row_args
+                exact = lambda: _solve_exact(x, top_x, log_p_max, ent, *args[4:])  # noqa: E731
+                return lax.cond(flag, exact, lambda: row)
 
-        return lax.map(one, (need, prep.x, prep.top_x, prep.log_p_max, entropy, sol))
+            return lax.map(one, (need, *args[:4], sol))
+
+    else:
+        # Accelerators: every row at once (a sequential loop over rows would idle the device).
+        def fix_rows():
+            return _select(need, _solve_exact(*args), sol)
 
     return lax.cond(jnp.any(need), fix_rows, lambda: sol)
 

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import jaxcert
-from jaxcert import reference
+from jaxcert import reference, solver
 from jaxcert import rules as R
 
 CASES = golden.load_cases()
@@ -229,8 +229,13 @@ def _flat_top(rng, vocab, n_flat, spread):
     return p / p.sum()
 
 
+@pytest.mark.parametrize("row_by_row", [True, False], ids=["cpu-rows", "batched"])
 @pytest.mark.parametrize("top_k", [4, 16])
-def test_exact_fallback_on_large_vocab(top_k, x64):
+def test_exact_fallback_on_large_vocab(top_k, row_by_row, x64, monkeypatch, request):
+    # batched: the accelerators' exact path (every row at once), forced on CPU.
+    monkeypatch.setattr(solver, "_ROW_BY_ROW_EXACT_PATH", row_by_row)
+    jax.clear_caches()
+    request.addfinalizer(jax.clear_caches)  # later tests compile with the default again
     rng = np.random.default_rng(top_k)
     vocab = 3000
     p = np.stack(

@@ -129,8 +129,10 @@ def test_mask_gives_exact_zero_value_and_gradient():
     unmasked = losses.certificate_violation(
         d[jnp.array([0, 1, 3, 5])], t[jnp.array([0, 1, 3, 5])], rule
     )
-    np.testing.assert_allclose(
-        np.asarray(losses.certificate_violation(d, t, rule, where=mask))[[0, 1, 3, 5]], unmasked
+    np.testing.assert_allclose(  # float32 rounding: GPU kernels differ with the batch size
+        np.asarray(losses.certificate_violation(d, t, rule, where=mask))[[0, 1, 3, 5]],
+        unmasked,
+        rtol=1e-6,
     )
 
 
