@@ -28,6 +28,8 @@ def test_public_surface():
     assert sorted(models.__all__) == sorted(
         [
             "KVCache",
+            "LOGICAL_RULES",
+            "Layout",
             "LoadedModel",
             "ModelConfig",
             "Transformer",
@@ -37,6 +39,7 @@ def test_public_surface():
             "load",
             "load_gguf",
             "load_hf",
+            "shard",
             "truncate",
         ]
     )
