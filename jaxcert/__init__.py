@@ -11,8 +11,8 @@ M      list size ``m`` of a rule (top-``m``, tree coverage)
 W      the solver's sorted window of the top logits (``top_k``)
 =====  ====================================================================
 
-The theory (definitions, lemmas, closed forms, bounds, numerics) is in the repository's
-``docs/certificates.md``; docstrings cite its sections.
+The math is the project's specification (``spec/certificates.md``, see the README);
+docstrings cite its sections as "spec section N".
 """
 
 from jaxcert import losses

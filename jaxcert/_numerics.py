@@ -79,9 +79,10 @@ def top_k(x, k: int):
     slower at V = 151,936), and on GPU a wide ``top_k`` is slow too. An optimisation
     barrier prevented the former, but XLA's SPMD partitioner aborts on barriers under
     sharding; instead, for wide rows this takes the top-``k`` in two exact stages with
-    nothing to sort but short rows: the ``k`` groups of 8-64 tokens with the largest maxima contain the top-``k`` tokens (each group
-    ranked above the group of a top-``k`` token holds a token ranked above it, so there
-    are fewer than ``k`` such groups), then a ``top_k`` of those candidates. Narrow rows
+    nothing to sort but short rows: the ``k`` groups of 8-64 tokens with the largest
+    maxima contain the top-``k`` tokens (each group ranked above the group of a top-``k``
+    token holds a token ranked above it, so there are fewer than ``k`` such groups), then
+    a ``top_k`` of those candidates. Narrow rows
     use ``lax.top_k`` directly.
 
     Args:

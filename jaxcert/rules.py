@@ -277,7 +277,7 @@ def in_upper_set(rule: Rule, rel_logits, log_p_max, entropy=None):
     Returns:
       ``[...]`` bool, ``x in U``.
 
-    Source: ``docs/certificates.md`` sections 0 and 3 (the accepted set of each rule).
+    Source: spec sections 0 and 3 (the accepted set of each rule).
     """
     threshold, inclusive = rule.upper_threshold(jnp.exp(log_p_max), entropy)
     positive = threshold > 0

@@ -380,7 +380,7 @@ def certificates(
     Sharding: a sharded ``logits`` (a concrete array with a ``NamedSharding``, or any array
     whose type carries explicit mesh axes, also under ``jax.jit``) is certified where it
     lives, inside ``jax.shard_map``: batch shards independently, vocabulary shards with the
-    collectives of ``docs/certificates.md`` section 7 (a per-shard top-``W`` merged exactly,
+    collectives of the README's "Scaling out" section (a per-shard top-``W`` merged exactly,
     collective max / sums / counts), never gathering a whole row except in the rare overflow
     fallback. The outputs keep the input's batch sharding (``q_star`` its full sharding).
     Inside your own ``shard_map`` whose mesh axes split the vocabulary, pass them as
@@ -406,7 +406,7 @@ def certificates(
         object that is not a rule, or an invalid ``top_k``. Rows with NaN/``+inf`` do not
         raise: they come back with ``valid=False`` and ``value=nan``.
 
-    Source: ``docs/certificates.md`` sections 0-3 and 6.
+    Source: spec sections 0-3 and 6 (``spec/certificates.md``).
     """
     rules = tuple(rules)
     logits = _check_inputs(logits, rules, top_k)
