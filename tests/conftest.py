@@ -1,10 +1,34 @@
 """Shared test set-up: make the helper modules in tests/ (and tests/models/) importable."""
 
+import json
 import pathlib
 import sys
+
+import pytest
 
 _HERE = pathlib.Path(__file__).resolve().parent
 # Appended, not prepended: tests/models must never shadow the real `models` package.
 for folder in (_HERE, _HERE / "models"):
     if str(folder) not in sys.path:
         sys.path.append(str(folder))
+
+
+# A tiny checkpoint and four short prompts for the CLI tests that compare runs (mesh, processes).
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    import tiny_lm
+
+    return tiny_lm.save_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    import tiny_lm
+
+    texts = tiny_lm.TEXTS
+    lines = [json.dumps({"id": f"p{i}", "prompt": t, "category": "c"}) for i, t in enumerate(texts)]
+    path.write_text("\n".join(lines) + "\n")
+    return path

@@ -21,23 +21,9 @@ from jaxcert import certify, cli, models, prompts
 from jaxcert import mesh as mesh_lib
 from jaxcert import rules as R
 
-TEXTS = ["the cat sat on the mat.", "an otter", "he is in the water, a big one!", "a, b?"]
 RULES = "greedy,additive:0.3,typical,tree:2"
 # Columns that must match exactly in every run; the rest are float32 statistics.
 EXACT = ["prompt_id", "category", "prompt_tokens", "position", "token"]
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return tiny_lm.save_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt")
-
-
-@pytest.fixture(scope="module")
-def prompt_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
-    lines = [json.dumps({"id": f"p{i}", "prompt": t, "category": "c"}) for i, t in enumerate(TEXTS)]
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
 def _certify_args(checkpoint, prompt_file, out, *extra):
@@ -121,7 +107,9 @@ def test_cli_mesh_errors(checkpoint, prompt_file, tmp_path, capsys):
 def test_parts_merge_into_the_one_process_table(checkpoint):
     """What each process of a multi-process run computes, without the processes."""
     lm = models.load(str(checkpoint))
-    prompt_set = [prompts.Prompt(f"p{i}", t) for i, t in enumerate(TEXTS + ["on", "a big one"])]
+    prompt_set = [
+        prompts.Prompt(f"p{i}", t) for i, t in enumerate(tiny_lm.TEXTS + ["on", "a big one"])
+    ]
     rules = R.parse_rules(RULES)
     options = certify.CertifyOptions(steps=5, batch_size=2, chunk=4, stop_at_eos=False)
     whole, _ = certify.certify_prompts(lm, prompt_set, rules, options)
@@ -174,7 +162,7 @@ def test_decode_on_4_devices_matches_one_device(tmp_path, monkeypatch):
     drafter = tiny_lm.save_tiny_checkpoint(tmp_path / "drafter", seed=0, scale=0.41)
     prompt_file = tmp_path / "p.jsonl"
     prompt_file.write_text("".join(json.dumps({"id": i, "prompt": t}) + "\n" for i, t in
-                                   enumerate(TEXTS)))  # fmt: skip
+                                   enumerate(tiny_lm.TEXTS)))  # fmt: skip
 
     def args(out, *extra):
         return ["decode", "--target", str(target), "--drafter", str(drafter),

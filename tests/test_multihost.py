@@ -16,27 +16,12 @@ import sys
 
 import pyarrow.parquet as pq
 import pytest
-import tiny_lm
 
 from jaxcert import cli
 from jaxcert import mesh as mesh_lib
 
 TESTS = pathlib.Path(__file__).resolve().parent
-TEXTS = ["the cat sat on the mat.", "an otter", "he is in the water, a big one!", "a, b?"]
 TIMEOUT = 240
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return tiny_lm.save_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt")
-
-
-@pytest.fixture(scope="module")
-def prompt_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
-    lines = [json.dumps({"id": f"p{i}", "prompt": t, "category": "c"}) for i, t in enumerate(TEXTS)]
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
 def _free_port() -> int:

@@ -11,7 +11,7 @@ from flax import nnx
 from jaxcert import models, prompts, training
 from jaxcert import rules as R
 
-TEXTS = ["the cat sat on the mat.", "an otter", "he is in the water, a big one!", "a, b?"]
+TEXTS = tiny_lm.TEXTS
 
 
 @pytest.fixture(scope="module")

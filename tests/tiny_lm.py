@@ -13,6 +13,9 @@ import transformers
 from jaxcert.models._weights import hf_layout
 from jaxcert.models.config import ModelConfig
 
+# Four short prompts (the CLI tests that compare runs: mesh, processes).
+TEXTS = ["the cat sat on the mat.", "an otter", "he is in the water, a big one!", "a, b?"]
+
 
 def save_tiny_checkpoint(
     path: pathlib.Path, *, seed: int = 0, scale: float = 0.4, layers: int = 2

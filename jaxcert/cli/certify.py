@@ -13,6 +13,7 @@ import time
 from jaxcert import mesh as mesh_lib
 from jaxcert._argtypes import non_negative, positive
 from jaxcert.cli import DEFAULT_RULES, DEFAULT_TARGET
+from jaxcert.cli._common import add_prompt_arguments
 
 __all__ = ["add_parser", "run"]
 
@@ -67,11 +68,7 @@ def add_parser(sub) -> None:
         help="asset name, Hugging Face checkpoint folder or .gguf file "
         f"(default: {DEFAULT_TARGET})",
     )
-    p.add_argument(
-        "--prompts",
-        default="mtbench",
-        help="'mtbench' or a JSONL file with a 'prompt' or 'turns' field",
-    )
+    add_prompt_arguments(p)
     p.add_argument(
         "--rules",
         default=DEFAULT_RULES,
@@ -96,10 +93,7 @@ def add_parser(sub) -> None:
         default=0,
         help="skip prompts shorter than this after the chat template (default 0)",
     )
-    p.add_argument("--turn", type=non_negative, default=0, help="turn of multi-turn records")
     p.add_argument("--batch-size", type=positive, default=8, help="prompts decoded together")
-    p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
-    p.add_argument("--system-prompt", default=None, help="explicit system message")
     p.add_argument(
         "--ignore-eos",
         action="store_true",

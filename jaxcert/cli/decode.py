@@ -12,9 +12,10 @@ import sys
 import time
 
 from jaxcert import mesh as mesh_lib
-from jaxcert._argtypes import non_negative, non_negative_float, positive, unit_float
+from jaxcert._argtypes import non_negative_float, positive, unit_float
 from jaxcert._validate import round_up
 from jaxcert.cli import DEFAULT_DECODE_TARGET, DEFAULT_DRAFTER
+from jaxcert.cli._common import add_prompt_arguments
 
 __all__ = ["add_parser", "run"]
 
@@ -42,11 +43,7 @@ def add_parser(sub) -> None:
         default=DEFAULT_DRAFTER,
         help=f"the same for the drafter (default: {DEFAULT_DRAFTER})",
     )
-    p.add_argument(
-        "--prompts",
-        default="mtbench",
-        help="'mtbench' or a JSONL file with a 'prompt' or 'turns' field",
-    )
+    add_prompt_arguments(p)
     p.add_argument(
         "--policy",
         default="svip:0.3",
@@ -76,9 +73,6 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--batch-size", type=positive, default=1, help="prompts decoded together")
     p.add_argument("--max-prompts", type=positive, default=4, help="first N prompts (default 4)")
-    p.add_argument("--turn", type=non_negative, default=0, help="turn of multi-turn records")
-    p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
-    p.add_argument("--system-prompt", default=None, help="explicit system message")
     p.add_argument("--seed", type=int, default=0, help="PRNG seed (sampling)")
     p.add_argument("--no-baseline", action="store_true", help="skip the target-only run")
     p.add_argument(
