@@ -16,7 +16,8 @@ import json
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+if __name__ == "__main__":  # not when pytest imports this file (e.g. for doctests)
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
