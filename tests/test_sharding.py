@@ -63,7 +63,7 @@ def _run(vocab: int, pairs: list[str]) -> dict:
         (1000, ["batch:auto", "vocab:auto", "both:auto"]),
         (1000, ["batch:explicit", "vocab:explicit", "both:explicit"]),
         (1000, ["shard_map:auto", "shard_map_vocab:auto", "shard_map_vocab:explicit"]),
-        (65536, ["both:eager"]),  # 16,384 tokens a shard: the grouped top-k on every shard
+        (32768, ["both:eager"]),  # 8,192 tokens a shard: the grouped top-k on every shard
     ],
     ids=["gspmd", "explicit", "shard_map", "eager-wide"],
 )
