@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from jaxcert import _numerics, _sharding
 from jaxcert import rules as rules_lib
+from jaxcert._validate import check_float, check_probability
 from jaxcert.solver import DEFAULT_TOP_K, certificate
 
 __all__ = [
@@ -246,8 +247,7 @@ def certificate_violation_softplus(
     Raises:
       ValueError: ``temperature <= 0``, or as :func:`certificate_violation`.
     """
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    check_float("temperature", temperature, strict=True)
     excess, _, _, mask = _excess(
         drafter_logits, target_logits, rule, margin, where, differentiate_target, top_k, axis_name
     )
@@ -274,8 +274,7 @@ def certificate_ratio(
     Raises:
       ValueError: ``eps <= 0``, or as :func:`certificate_violation`.
     """
-    if not eps > 0:
-        raise ValueError(f"eps must be > 0, got {eps}")
+    check_float("eps", eps, strict=True)
     _, kl, c, mask = _excess(
         drafter_logits, target_logits, rule, 0.0, where, differentiate_target, top_k, axis_name
     )
@@ -307,8 +306,7 @@ def cvar(
     Raises:
       ValueError: ``alpha`` outside ``(0, 1]`` or a mask of another shape.
     """
-    if not 0 < alpha <= 1:
-        raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+    check_probability("alpha", alpha)
     flat = jnp.ravel(jnp.asarray(losses))
     if where is None:
         mask = jnp.ones(flat.shape, bool)

@@ -9,6 +9,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jaxcert._validate import check_int
+
 __all__ = ["Prompt", "load_prompts", "encode_prompts", "pad_prompts"]
 
 
@@ -93,8 +95,7 @@ def load_prompts(source: str, *, turn: int = 0, max_prompts: int | None = None) 
         path = pathlib.Path(source).expanduser()
     prompts = _read_jsonl(path, turn)
     if max_prompts is not None:
-        if max_prompts < 1:
-            raise ValueError(f"max_prompts must be >= 1, got {max_prompts}")
+        check_int("max_prompts", max_prompts)
         prompts = prompts[:max_prompts]
     return prompts
 

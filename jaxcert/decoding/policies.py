@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxcert import _numerics
+from jaxcert._validate import check_float, check_probability
 from jaxcert._validate import check_int as _check_int
 from jaxcert.decoding.state import PolicyState
 from jaxcert.stats import distribution_stats
@@ -56,13 +57,6 @@ __all__ = [
 
 DEFAULT_K_MAX = 40
 _KINDS = ("constant", "heuristic", "confidence", "svip", "cert")
-
-
-def _check_float(name, value, low, high, *, closed_high=True):
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    ok = ok and low < value and (value <= high if closed_high else value < high)
-    if not ok:
-        raise ValueError(f"{name} must be a number in ({low}, {high}{']' if closed_high else ')'}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -121,7 +115,7 @@ class Confidence:
     k_max: int = DEFAULT_K_MAX
 
     def __post_init__(self):
-        _check_float("Confidence.tau", self.tau, 0.0, 1.0)
+        check_probability("Confidence.tau", self.tau)
         _check_int("Confidence.k_max", self.k_max)
 
     @property
@@ -144,8 +138,8 @@ class SVIP:
     k_max: int = DEFAULT_K_MAX
 
     def __post_init__(self):
-        _check_float("SVIP.h", self.h, 0.0, float("inf"))
-        _check_float("SVIP.c", self.c, 0.0, float("inf"))
+        check_float("SVIP.h", self.h, strict=True)
+        check_float("SVIP.c", self.c, strict=True)
         _check_int("SVIP.k_max", self.k_max)
 
     @property
@@ -180,8 +174,8 @@ class Certified:
     k_max: int = DEFAULT_K_MAX
 
     def __post_init__(self):
-        _check_float("Certified.lam", self.lam, 0.0, 1.0)
-        _check_float("Certified.beta", self.beta, 0.0, float("inf"))
+        check_probability("Certified.lam", self.lam)
+        check_float("Certified.beta", self.beta, strict=True)
         _check_int("Certified.k_max", self.k_max)
 
     @property
