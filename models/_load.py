@@ -58,7 +58,11 @@ def load(
     raise ValueError(f"Cannot load {str(name_or_path)!r}; tried: " + "; ".join(tried) + ".")
 
 
-def _config_of(model):
+def config_of(model):
+    """The `ModelConfig` of a `LoadedModel`, a module with a `config`, or a config itself.
+
+    Returns `None` for anything else (e.g. a `(graphdef, params)` pair).
+    """
     if hasattr(model, "vocab_size"):  # a ModelConfig
         return model
     module = getattr(model, "model", model)
@@ -79,7 +83,7 @@ def check_same_vocabulary(target, drafter) -> None:
       ValueError: the vocabulary sizes (logit rows) differ, or both sides carry tokenizers
         whose vocabularies differ.
     """
-    tc, dc = _config_of(target), _config_of(drafter)
+    tc, dc = config_of(target), config_of(drafter)
     if tc is not None and dc is not None and tc.vocab_size != dc.vocab_size:
         raise ValueError(
             f"vocabulary mismatch: the target has {tc.vocab_size} logit rows, the drafter "

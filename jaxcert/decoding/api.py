@@ -164,13 +164,8 @@ def _replicated(tree, placement):
 
 
 def _vocab_size(model) -> int | None:
-    config = _config_of(model)  # None for a (graphdef, params) pair: ids checked for >= 0 only
+    config = models.config_of(model)  # None for a (graphdef, params) pair: ids >= 0 only
     return None if config is None else int(config.vocab_size)
-
-
-def _config_of(model):
-    module = getattr(model, "model", model)
-    return getattr(module, "config", None)
 
 
 check_pair = models.check_same_vocabulary

@@ -34,6 +34,7 @@ def test_public_surface():
             "ModelConfig",
             "Transformer",
             "check_same_vocabulary",
+            "config_of",
             "decode_step",
             "forward",
             "load",
