@@ -16,6 +16,7 @@ docstrings cite its sections as "spec section N".
 """
 
 from jaxcert import losses
+from jaxcert._compile_cache import enable_compilation_cache
 from jaxcert.bounds import (
     certified_run_length,
     greedy_margin_bounds,
@@ -54,6 +55,7 @@ __all__ = [
     "certificates",
     "certified_run_length",
     "distribution_stats",
+    "enable_compilation_cache",
     "greedy_margin_bounds",
     "tree_margin_lower_bound",
     "tree_margin_upper_bound",

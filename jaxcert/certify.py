@@ -1,25 +1,36 @@
 """``jaxcert certify``: certificates of every rule at every greedy decoding position.
 
-Data flow: prompts -> tokenizer + chat template -> batched prefill of the target ->
-jitted greedy loop (``lax.scan`` in chunks, one host round-trip per chunk for the
-progress bar) that, at every step, computes the target's statistics and the exact
-certificate of every rule from the full-vocabulary logits, then appends the greedy
-token -> a table of positions.
+Data flow: prompts -> tokenizer + chat template -> a fixed set of ``B`` decoding slots
+(continuous batching) -> per slot, a chunked prefill of its prompt -> a jitted greedy loop
+(``lax.scan`` over ``chunk`` steps, one host round-trip per chunk) that, at every step,
+computes the target's statistics and the exact certificate of every rule from the
+full-vocabulary logits, then appends the greedy token -> one table per finished prompt.
 
-On a mesh (:mod:`jaxcert.mesh`) the rows of each batch are split over the ``data`` axis and
-the weights over ``model``. With ``model = 1`` each row's numbers are those of a one-device
-run with as many rows per batch as each device holds (bit for bit). With ``part`` a
-process certifies only its share of the prompts (the same padded width as the whole run, so
-the same compiled programs and numbers) and :func:`merge_parts` joins the shares.
+**Prefill without waste.** A prompt is prefilled alone, in pieces of a few fixed widths
+(:attr:`CertifyOptions.prefill_widths`, e.g. 256, 64, 16 tokens: the widest that fits, and
+the last piece padded up to the narrowest), into a one-row cache that is then copied into
+its slot. Each width compiles once; padding is below the narrowest width per prompt, and the
+lm_head runs only on the last prompt token.
+
+**Continuous batching.** When a slot's prompt ends (end of turn or ``steps``), the next
+prompt is prefilled into that slot before the next chunk; every compiled shape stays the
+same. A row's numbers depend only on its own prompt and the run's shapes (slots, cache
+length), not on which prompts share the batch, so an interrupted run that resumes
+(``skip``) computes the same rows as an uninterrupted one.
+
+On a mesh (:mod:`jaxcert.mesh`) the slots are split over the ``data`` axis and the weights
+over ``model``; the one-row prefill is replicated over ``data``. With ``part`` a process
+certifies only its share of the prompts (with the shapes of the whole run, so the same
+numbers) and :func:`merge_parts` joins the shares.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
-import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -33,10 +44,18 @@ from jaxcert import mesh as mesh_lib
 from jaxcert import models
 from jaxcert import stats as stats_lib
 from jaxcert._validate import check_int, round_up
-from jaxcert.prompts import Prompt, encode_prompts, pad_prompts
+from jaxcert.prompts import Prompt, encode_prompts
 from jaxcert.solver import certificates
 
-__all__ = ["CertifyOptions", "certify_prompts", "merge_parts", "rule_column"]
+__all__ = [
+    "CertifyOptions",
+    "Certifier",
+    "Progress",
+    "certify_prompts",
+    "merge_parts",
+    "prefill_pieces",
+    "rule_column",
+]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -45,13 +64,14 @@ class CertifyOptions:
 
     Attributes:
       steps: greedy continuation length per prompt, in tokens.
-      batch_size: prompts decoded together.
+      batch_size: decoding slots ``B`` (prompts decoded together).
       min_prompt_tokens: prompts shorter than this (after the chat template) are skipped.
       stop_at_eos: stop recording a prompt after it emits an end-of-turn token.
-      chunk: decoding steps per jitted call (the progress bar moves once per chunk).
+      chunk: decoding steps per jitted call (a finished slot is refilled between calls).
       top: ``k`` of the recorded top-``k`` coverage.
       chat: apply the tokenizer's chat template.
       system_prompt: explicit system message (``None``: the template's default).
+      prefill_widths: the prefill piece widths, in tokens (one compilation each).
     """
 
     steps: int = 128
@@ -62,11 +82,37 @@ class CertifyOptions:
     top: int = 10
     chat: bool = True
     system_prompt: str | None = None
+    prefill_widths: tuple[int, ...] = (16, 64, 256)
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "chunk", "top"):
             check_int(name, getattr(self, name))
         check_int("min_prompt_tokens", self.min_prompt_tokens, 0)
+        widths = tuple(self.prefill_widths)
+        if not widths:
+            raise ValueError("prefill_widths must name at least one width")
+        for w in widths:
+            check_int("prefill width", w)
+        object.__setattr__(self, "prefill_widths", tuple(sorted(set(widths))))
+
+
+def prefill_pieces(length: int, widths: Sequence[int]) -> list[tuple[int, int]]:
+    """How a prompt of ``length`` tokens is prefilled: ``[(width, real_tokens), ...]``.
+
+    The widest piece that the remaining tokens fill, then the narrowest width for the rest
+    (padded): the padding is below ``min(widths)`` tokens per prompt.
+
+    >>> prefill_pieces(100, (16, 64, 256))
+    [(64, 64), (16, 16), (16, 16), (16, 4)]
+    """
+    widths = sorted(widths)
+    pieces, left = [], length
+    while left > 0:
+        fits = [w for w in widths if w <= left]
+        width = fits[-1] if fits else widths[0]
+        pieces.append((width, min(width, left)))
+        left -= width
+    return pieces
 
 
 def rule_column(rule) -> str:
@@ -74,35 +120,368 @@ def rule_column(rule) -> str:
     return f"cert_{rule.spec}"
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5, 6, 7, 8), donate_argnums=(2,))
-def _decode_chunk(graphdef, state, cache, logits, active, rules, steps, top, eos):
-    """``steps`` greedy steps; records statistics and certificates of each position."""
-    eos = jnp.asarray(eos, jnp.int32)
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    """A snapshot of a run, passed to the ``progress`` callback.
 
-    def step(carry, _):
-        cache, logits, active = carry
+    Attributes:
+      stage: ``"compile"`` (a first call of a jitted function), ``"prefill"`` or ``"decode"``.
+      prompts_done: prompts finished (all their positions yielded).
+      prompts_total: prompts this run certifies (without the skipped ones).
+      positions: positions recorded so far.
+    """
+
+    stage: str
+    prompts_done: int
+    prompts_total: int
+    positions: int
+
+
+# ---------------------------------------------------------------------------------------------
+# Jitted pieces: one compilation per shape (decode chunk, each prefill width, install).
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(4,))
+def _prefill_piece(graphdef, state, tokens, count, row_cache):
+    """Feeds ``tokens`` ``[1, C]`` (``count`` real) to a one-row cache and commits them.
+
+    Returns the logits ``[1, V]`` after the last real token (the lm_head runs on it only)."""
+    model = nnx.merge(graphdef, state)
+    hidden, row_cache = model.features(tokens, row_cache)
+    last = lax.dynamic_index_in_dim(hidden, count - 1, axis=1, keepdims=False)  # [1, E]
+    return model.project(last), row_cache.commit(count)
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1, 2, 3))
+def _install(cache, logits, step, active, row_cache, row_logits, slot):
+    """Copies a prefilled one-row cache and its logits into ``slot``; the slot starts."""
+    hit = jnp.arange(logits.shape[0]) == slot  # [B]
+
+    def put(buf, row):
+        return jnp.where(hit.reshape((-1,) + (1,) * (buf.ndim - 1)), row.astype(buf.dtype), buf)
+
+    cache = cache.replace(
+        keys=tuple(put(k, r) for k, r in zip(cache.keys, row_cache.keys, strict=True)),
+        values=tuple(put(v, r) for v, r in zip(cache.values, row_cache.values, strict=True)),
+        length=put(cache.length, row_cache.length),
+    )
+    return cache, put(logits, row_logits), jnp.where(hit, 0, step), active | hit
+
+
+@functools.partial(jax.jit, static_argnums=(0, 6, 7, 8, 9, 10), donate_argnums=(2, 3, 4, 5))
+def _decode_chunk(graphdef, state, cache, logits, step, active, rules, length, top, eos, steps):
+    """``length`` greedy steps of every slot; records statistics and certificates.
+
+    A slot records while ``active``; it stops after ``steps`` recorded positions or (with
+    ``eos``) after emitting an end-of-turn token. Inactive slots compute but commit nothing.
+    """
+
+    def body(carry, _):
+        cache, logits, step, active = carry
         st = stats_lib.distribution_stats(logits, top=top)
         certs = certificates(logits, rules)
-        record = (st, tuple(c.value for c in certs), active)
+        record = (st, tuple(c.value for c in certs), active, step)
         token = st.greedy_token
         new_logits, cache = models.decode_step(graphdef, state, token, cache, active)
-        active = active & ~jnp.isin(token, eos)
-        return (cache, new_logits, active), record
+        step = step + active.astype(jnp.int32)
+        active = active & (step < steps)
+        if eos:
+            active = active & ~jnp.isin(token, jnp.asarray(eos, jnp.int32))
+        return (cache, new_logits, step, active), record
 
-    (cache, logits, active), records = lax.scan(step, (cache, logits, active), None, length=steps)
-    return cache, logits, active, records
-
-
-@functools.partial(jax.jit, static_argnums=(0,))
-def _prefill(graphdef, state, tokens, lengths, cache):
-    logits, cache = models.forward(graphdef, state, tokens, cache)
-    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
-    return last, cache.commit(lengths)
+    carry, records = lax.scan(body, (cache, logits, step, active), None, length=length)
+    return (*carry, records)
 
 
-def _batches(order: list[int], size: int):
-    for start in range(0, len(order), size):
-        yield order[start : start + size]
+# ---------------------------------------------------------------------------------------------
+# The engine.
+
+
+class _CompileTimer:
+    """Seconds XLA spent compiling (``jax.monitoring``) while the run was inside ``with``."""
+
+    _EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self):
+        self.seconds = 0.0
+        self._on = False
+        jax.monitoring.register_event_duration_secs_listener(self._listen)
+
+    def _listen(self, event, duration, **_):
+        if self._on and event == self._EVENT:
+            self.seconds += duration
+
+    def __enter__(self):
+        self._on = True
+        return self
+
+    def __exit__(self, *exc):
+        self._on = False
+
+
+class Certifier:
+    """A certification run over a prompt set: iterate to get one table per finished prompt.
+
+    Example::
+
+      run = Certifier(lm, prompt_set, rules, CertifyOptions(steps=64))
+      for table in run:        # in order of completion (continuous batching)
+          sink.write(table)
+      print(run.info)          # counts, padding, timings
+
+    Args:
+      lm: a ``models.LoadedModel`` (the target).
+      prompts: the prompts; a prompt's ``prompt_index`` column is its index here.
+      rules: the verification rules (``jaxcert.rules``).
+      options: a :class:`CertifyOptions`.
+      mesh: a ``("data", "model")`` mesh (:func:`jaxcert.mesh.make_mesh`): the slots are
+        split over ``data`` (the batch size rounded up to a multiple of its size), the
+        weights over ``model`` (``jaxcert.models.shard``; tensor parallelism). ``None``:
+        JAX's default device.
+      part: ``(index, count)``: certify only share ``index`` of ``count`` (the prompts,
+        sorted by length, dealt round-robin), with the shapes of the whole run.
+      skip: prompt indices not to certify (already done: ``--resume``). The shapes are
+        still those of the whole prompt set, so the other rows are unchanged.
+      progress: called with a :class:`Progress` after every prefill and decoding chunk.
+
+    Raises:
+      ValueError: no rules, no prompt long enough, prompts plus steps exceed the model's
+        context length, mesh axes other than data/model, or more parts than prompts.
+    """
+
+    def __init__(
+        self,
+        lm,
+        prompts: Sequence[Prompt],
+        rules: Sequence,
+        options: CertifyOptions = CertifyOptions(),
+        *,
+        mesh: jax.sharding.Mesh | None = None,
+        part: tuple[int, int] | None = None,
+        skip: Collection[int] = (),
+        progress: Callable[[Progress], None] | None = None,
+    ):
+        self.rules = tuple(rules)
+        if not self.rules:
+            raise ValueError("no rules given")
+        self.lm, self.prompts, self.options = lm, prompts, options
+        self.mesh, self.progress = mesh, progress
+        self.encoded = encode_prompts(
+            lm.tokenizer, prompts, chat=options.chat, system_prompt=options.system_prompt
+        )
+        keep = [
+            i for i, ids in enumerate(self.encoded) if len(ids) >= max(1, options.min_prompt_tokens)
+        ]
+        if not keep:
+            raise ValueError(
+                f"no prompt has at least {options.min_prompt_tokens} tokens "
+                f"(lengths: {sorted(len(e) for e in self.encoded)[:10]}...)"
+            )
+        self.used = len(keep)
+        # Shapes from every usable prompt (not only this part's, nor the ones left to do):
+        # each row then has the same numbers in any part, resumed or not.
+        longest = max(len(self.encoded[i]) for i in keep)
+        data = 1 if mesh is None else mesh_lib.data_size(mesh)
+        self.slots = round_up(min(round_up(options.batch_size, data), len(keep)), data)
+        needed = longest + options.steps
+        if needed > lm.config.max_position_embeddings:
+            raise ValueError(
+                f"prompts of up to {longest} tokens plus {options.steps} steps need {needed} "
+                f"positions; the model supports {lm.config.max_position_embeddings}"
+            )
+        # Room for the padded last prefill piece and the slot's idle writes after its end.
+        self.cache_length = round_up(longest, min(options.prefill_widths)) + options.steps + 1
+        order = keep
+        if part is not None:
+            index, count = part
+            check_int("part count", count)
+            if not 0 <= index < count:
+                raise ValueError(f"part index must be in [0, {count}), got {index}")
+            if count > len(keep):
+                raise ValueError(
+                    f"{count} processes for {len(keep)} prompts: each process needs a prompt"
+                )
+            order = sorted(keep, key=lambda i: (len(self.encoded[i]), i))[index::count]
+            order.sort()
+        skip = set(skip)
+        self.order = [i for i in order if i not in skip]
+        self.part = part
+        self.info = {
+            "prompts_given": len(prompts),
+            "prompts_used": len(keep),
+            "prompts_skipped_short": len(prompts) - len(keep),
+            "prompts_this_run": len(self.order),
+            "slots": self.slots,
+            "cache_length": self.cache_length,
+            "positions": 0,
+            "prefill_tokens": 0,
+            "prefill_padded_tokens": 0,
+            "decode_slot_steps": 0,
+            "decode_active_steps": 0,
+            "prefill_s": 0.0,
+            "decode_s": 0.0,
+            "compile_s": 0.0,
+        }
+        if part is not None:
+            self.info["part"] = {"index": part[0], "count": part[1], "prompts": len(order)}
+        if mesh is not None:
+            self.info["mesh"] = dict(mesh.shape)
+
+    # -- host side ------------------------------------------------------------------------
+
+    def _place(self, tree):  # host arrays onto the device(s): slots split over "data"
+        if self.mesh is None:
+            return jax.tree.map(jnp.asarray, tree)
+        return mesh_lib.place(tree, self.mesh, P("data"))
+
+    def _replicated(self, tree):
+        if self.mesh is None:
+            return jax.tree.map(jnp.asarray, tree)
+        return mesh_lib.place(tree, self.mesh, P())
+
+    def _report(self, stage: str, done: int, positions: int) -> None:
+        if self.progress is not None:
+            self.progress(Progress(stage, done, len(self.order), positions))
+
+    def __iter__(self) -> Iterator[pa.Table]:
+        timer = _CompileTimer()
+        try:
+            with timer:
+                yield from self._run()
+        finally:
+            self.info["compile_s"] = round(timer.seconds, 3)
+            for key in ("prefill_s", "decode_s"):
+                self.info[key] = round(self.info[key], 3)
+
+    def _run(self) -> Iterator[pa.Table]:
+        lm, options, info = self.lm, self.options, self.info
+        if not self.order:
+            return
+        rows, mesh = self.slots, self.mesh
+        graphdef, state = nnx.split(mesh_lib.shard_model(lm.model, mesh))
+        eos = tuple(lm.eos_ids) if options.stop_at_eos else ()
+        dtype = lm.model.dtype
+        cache = models.KVCache.create(lm.config, rows, self.cache_length, dtype=dtype, mesh=mesh)
+        row_cache = models.KVCache.create(lm.config, 1, self.cache_length, dtype=dtype, mesh=mesh)
+        logits = self._place(np.zeros((rows, lm.config.vocab_size), np.float32))
+        step = self._place(np.zeros(rows, np.int32))
+        active = self._place(np.zeros(rows, bool))
+        queue = collections.deque(self.order)
+        owner: list[int | None] = [None] * rows  # prompt index in each slot
+        records: list[list[dict]] = [[] for _ in range(rows)]
+        done = positions = 0
+        first = {"prefill": set(), "decode": False}
+
+        def prefill(slot: int):
+            nonlocal cache, logits, step, active, row_cache
+            index = queue.popleft()
+            ids = np.asarray(self.encoded[index], np.int32)
+            row_cache = row_cache.rollback(self._replicated(np.zeros(1, np.int32)))
+            start = 0
+            t0 = time.perf_counter()
+            for width, count in prefill_pieces(len(ids), options.prefill_widths):
+                if width not in first["prefill"]:
+                    first["prefill"].add(width)
+                    self._report("compile", done, positions)
+                piece = np.zeros((1, width), np.int32)
+                piece[0, :count] = ids[start : start + count]
+                start += count
+                tokens, n = self._replicated((piece, np.int32(count)))
+                row_logits, row_cache = _prefill_piece(graphdef, state, tokens, n, row_cache)
+                info["prefill_tokens"] += count
+                info["prefill_padded_tokens"] += width
+            cache, logits, step, active = _install(
+                cache, logits, step, active, row_cache, row_logits, self._replicated(np.int32(slot))
+            )
+            jax.block_until_ready(logits)
+            info["prefill_s"] += time.perf_counter() - t0
+            owner[slot] = index
+            records[slot] = []
+
+        for slot in range(rows):
+            if queue:
+                prefill(slot)
+        self._report("prefill", done, positions)
+        while any(o is not None for o in owner):
+            if not first["decode"]:
+                first["decode"] = True
+                self._report("compile", done, positions)
+            t0 = time.perf_counter()
+            cache, logits, step, active, out = _decode_chunk(
+                graphdef, state, cache, logits, step, active, self.rules, options.chunk,
+                options.top, eos, options.steps,
+            )  # fmt: skip
+            out, still = jax.device_get((out, active))
+            info["decode_s"] += time.perf_counter() - t0
+            st, values, was_active, at = out
+            info["decode_slot_steps"] += options.chunk * rows
+            info["decode_active_steps"] += int(was_active.sum())
+            for slot in range(rows):
+                if owner[slot] is None:
+                    continue
+                keep = was_active[:, slot]
+                if keep.any():
+                    records[slot].append(_columns(st, values, at, slot, keep, self.rules, options))
+                    positions += int(keep.sum())
+            finished = [s for s in range(rows) if owner[s] is not None and not still[s]]
+            for slot in finished:
+                table = self._table(owner[slot], records[slot])
+                owner[slot], records[slot] = None, []
+                done += 1
+                info["positions"] += table.num_rows
+                yield table
+            self._report("decode", done, positions)
+            for slot in finished:
+                if queue:
+                    prefill(slot)
+            if finished and queue:
+                self._report("prefill", done, positions)
+
+    def _table(self, index: int, parts: list[dict]) -> pa.Table:
+        """A finished prompt's positions (a slot records its first step: never empty)."""
+        prompt = self.prompts[index]
+        columns = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+        n = len(columns["position"])
+        out = {
+            "prompt_index": np.full(n, index, np.int64),
+            # Explicit types: every table has the same schema whatever its prompt holds.
+            "prompt_id": pa.array([str(prompt.id)] * n, pa.string()),
+            "category": pa.array([_text(prompt.category)] * n, pa.string()),
+            "prompt_tokens": np.full(n, len(self.encoded[index]), np.int32),
+            **columns,
+        }
+        return pa.table(out)
+
+    def column_names(self) -> list[str]:
+        """The output columns, in order."""
+        return [
+            "prompt_index",
+            "prompt_id",
+            "category",
+            "prompt_tokens",
+            "position",
+            "token",
+            "top1",
+            f"top{self.options.top}_coverage",
+            "margin",
+            "entropy",
+            *(rule_column(r) for r in self.rules),
+        ]
+
+
+def _columns(st, values, at, slot, keep, rules, options) -> dict:
+    """One slot's recorded positions of a chunk, as column arrays."""
+    out = {
+        "position": at[keep, slot].astype(np.int32),
+        "token": st.greedy_token[keep, slot].astype(np.int32),
+        "top1": st.top1[keep, slot],
+        f"top{options.top}_coverage": st.top_coverage[keep, slot],
+        "margin": st.margin[keep, slot],
+        "entropy": st.entropy[keep, slot],
+    }
+    for rule, v in zip(rules, values, strict=True):
+        out[rule_column(rule)] = v[keep, slot]
+    return out
 
 
 def _text(value) -> str | None:
@@ -117,187 +496,32 @@ def certify_prompts(
     *,
     mesh: jax.sharding.Mesh | None = None,
     part: tuple[int, int] | None = None,
-    progress: Callable[[int, int], None] | None = None,
-    on_batch: Callable[[pa.Table], None] | None = None,
+    progress: Callable[[Progress], None] | None = None,
 ) -> tuple[pa.Table, dict]:
     """Greedy-decodes every prompt and certifies every position under every rule.
 
-    Args:
-      lm: a ``models.LoadedModel`` (the target).
-      prompts: the prompts.
-      rules: the verification rules (``jaxcert.rules``).
-      options: a :class:`CertifyOptions`.
-      mesh: a ``("data", "model")`` mesh (:func:`jaxcert.mesh.make_mesh`): each batch is
-        split over ``data`` (the batch size rounded up to a multiple of its size), the
-        weights over ``model`` (``jaxcert.models.shard``; tensor parallelism). ``None``:
-        JAX's default device.
-      part: ``(index, count)``: certify only share ``index`` of ``count`` (the prompts,
-        sorted by length, dealt round-robin) and keep a ``prompt_order`` column (the
-        prompt's index in ``prompts``) for :func:`merge_parts`.
-      progress: called as ``progress(done_steps, total_steps)`` after every chunk.
-      on_batch: called with each finished batch's table (so a caller can save partial
-        results before a later batch fails).
+    The in-memory form of :class:`Certifier` (same arguments): all positions in one table.
 
     Returns:
-      ``(table, info)``: one row per recorded position with columns ``prompt_id``,
-      ``category``, ``prompt_tokens``, ``position``, ``token``, ``top1``,
-      ``top{k}_coverage``, ``margin``, ``entropy`` and one ``cert_<rule>`` column per rule
-      (nats, ``inf`` where rejection is impossible); ``info`` has counts and timings.
+      ``(table, info)``: one row per recorded position, in prompt order then position order,
+      with columns ``prompt_index``, ``prompt_id``, ``category``, ``prompt_tokens``,
+      ``position``, ``token``, ``top1``, ``top{k}_coverage``, ``margin``, ``entropy`` and
+      one ``cert_<rule>`` column per rule (nats, ``inf`` where rejection is impossible);
+      ``info`` has counts, padding and timings (seconds).
 
     Raises:
-      ValueError: no prompt is long enough, no rules, prompts plus steps exceed the
-        model's context length, mesh axes other than data/model, or more parts than
-        prompts.
+      ValueError: as :class:`Certifier`.
     """
-    rules = tuple(rules)
-    if not rules:
-        raise ValueError("no rules given")
-    encoded = encode_prompts(
-        lm.tokenizer, prompts, chat=options.chat, system_prompt=options.system_prompt
-    )
-    keep = [i for i, ids in enumerate(encoded) if len(ids) >= max(1, options.min_prompt_tokens)]
-    if not keep:
-        raise ValueError(
-            f"no prompt has at least {options.min_prompt_tokens} tokens "
-            f"(lengths: {sorted(len(e) for e in encoded)[:10]}...)"
-        )
-    # Batch prompts of similar length together: less padding in the prefill.
-    order = sorted(keep, key=lambda i: len(encoded[i]))
-    # One prompt width and one cache size for every batch (the last batch is padded with
-    # copies of a prompt whose rows are dropped), so each jitted function compiles once;
-    # taken over all prompts, so every part of a multi-process run has the same shapes.
-    width = round_up(max(len(encoded[i]) for i in order), 16)
-    data = 1 if mesh is None else mesh_lib.data_size(mesh)
-    batch_size = round_up(options.batch_size, data)
-    # Rows per batch (a multiple of the data axis), also from all prompts: a part then
-    # computes each row with the same shapes, hence the same numbers, as a one-process run.
-    rows = round_up(min(batch_size, len(order)), data)
-    if part is not None:
-        index, count = part
-        check_int("part count", count)
-        if not 0 <= index < count:
-            raise ValueError(f"part index must be in [0, {count}), got {index}")
-        if count > len(order):
-            raise ValueError(
-                f"{count} processes for {len(order)} prompts: each process needs a prompt"
-            )
-        order = order[index::count]
-    eos = lm.eos_ids or (-1,)  # -1: no token ends a row
-    chunks = math.ceil(options.steps / options.chunk)
-    total = math.ceil(len(order) / batch_size) * chunks * options.chunk
-    done = 0
-    tables = []
-    timings = {"prefill_s": 0.0, "decode_s": 0.0}
-    cache_length = width + chunks * options.chunk + 1
-    if cache_length > lm.config.max_position_embeddings:
-        raise ValueError(
-            f"prompts of up to {width} tokens plus {options.steps} steps need {cache_length} "
-            f"positions; the model supports {lm.config.max_position_embeddings}"
-        )
-    # The weights split over "model" (a model loaded onto this mesh stays where it is); the
-    # forward pass keeps the rows of activations and cache on "data".
-    graphdef, state = nnx.split(mesh_lib.shard_model(lm.model, mesh))
-
-    def place(tree):  # host arrays of a batch onto the device(s): rows split over "data"
-        if mesh is None:
-            return jax.tree.map(jnp.asarray, tree)
-        return mesh_lib.place(tree, mesh, P("data"))
-
-    for batch in _batches(order, batch_size):
-        ids = [encoded[i] for i in batch]
-        ids += [ids[0]] * (rows - len(ids))
-        tokens, lengths = pad_prompts(ids, width=width)
-        cache = _new_cache(lm, rows, cache_length, mesh)
-        tokens_in, lengths_in = place((tokens, lengths))
-        t0 = time.perf_counter()
-        logits, cache = _prefill(graphdef, state, tokens_in, lengths_in, cache)
-        logits.block_until_ready()
-        timings["prefill_s"] += time.perf_counter() - t0
-        active = place(np.arange(rows) < len(batch))
-        parts = []
-        for _ in range(chunks):
-            t0 = time.perf_counter()
-            cache, logits, active, records = _decode_chunk(
-                graphdef, state, cache, logits, active, rules, options.chunk, options.top, eos
-            )
-            records = jax.device_get(records)
-            timings["decode_s"] += time.perf_counter() - t0
-            parts.append(records)
-            done += options.chunk
-            if progress is not None:
-                progress(done, total)
-            if options.stop_at_eos and not np.any(jax.device_get(active)):
-                done += (chunks - len(parts)) * options.chunk
-                break
-        table = _batch_table(parts, batch, prompts, lengths[: len(batch)], rules, options)
-        tables.append(table)
-        if on_batch is not None:
-            on_batch(table)
-    if progress is not None:
-        progress(total, total)
-    table = pa.concat_tables(tables)
-    table = _sorted(table) if part is not None else merge_parts([table])
-    info = {
-        "prompts_given": len(prompts),
-        "prompts_used": len(keep),
-        "prompts_skipped_short": len(prompts) - len(keep),
-        "positions": table.num_rows,
-        **{k: round(v, 3) for k, v in timings.items()},
-    }
-    if part is not None:
-        info["part"] = {"index": part[0], "count": part[1], "prompts": len(order)}
-    if mesh is not None:
-        info["mesh"] = dict(mesh.shape)
-    return table, info
+    run = Certifier(lm, prompts, rules, options, mesh=mesh, part=part, progress=progress)
+    tables = list(run)
+    return merge_parts(tables), run.info
 
 
 def _sorted(table: pa.Table) -> pa.Table:
-    return table.sort_by([("prompt_order", "ascending"), ("position", "ascending")])
+    return table.sort_by([("prompt_index", "ascending"), ("position", "ascending")])
 
 
 def merge_parts(tables: Sequence[pa.Table]) -> pa.Table:
-    """Joins the tables of :func:`certify_prompts` runs with ``part=(i, n)``, ``i < n``.
-
-    The result is the table of one run over all prompts: rows in prompt order, then position
-    order, without the ``prompt_order`` column.
-    """
-    return _sorted(pa.concat_tables(tables)).drop_columns(["prompt_order"])
-
-
-def _new_cache(lm, batch: int, length: int, mesh=None):
-    """An empty cache; on a mesh its rows split over "data", its heads over "model"."""
-    return models.KVCache.create(lm.config, batch, length, dtype=lm.model.dtype, mesh=mesh)
-
-
-def _batch_table(parts, batch, prompts, lengths, rules, options) -> pa.Table:
-    stats = [p[0] for p in parts]
-    values = [p[1] for p in parts]
-    active = np.concatenate([p[2] for p in parts], axis=0)  # [steps, B]
-
-    def cat(get):
-        return np.concatenate([get(s) for s in stats], axis=0)  # [steps, B]
-
-    columns = {
-        "token": cat(lambda s: s.greedy_token),
-        "top1": cat(lambda s: s.top1),
-        f"top{options.top}_coverage": cat(lambda s: s.top_coverage),
-        "margin": cat(lambda s: s.margin),
-        "entropy": cat(lambda s: s.entropy),
-    }
-    for r, rule in enumerate(rules):
-        columns[rule_column(rule)] = np.concatenate([v[r] for v in values], axis=0)
-    keep = active.copy() if options.stop_at_eos else np.ones_like(active)
-    keep[options.steps :] = False
-    keep[:, len(batch) :] = False  # rows that only pad the last batch
-    pos, row = np.nonzero(keep)  # step-major
-    out = {
-        "prompt_order": np.asarray(batch)[row],
-        # Explicit types: every batch has the same schema whatever its prompts hold.
-        "prompt_id": pa.array([str(prompts[batch[b]].id) for b in row], pa.string()),
-        "category": pa.array([_text(prompts[batch[b]].category) for b in row], pa.string()),
-        "prompt_tokens": lengths[row],
-        "position": pos.astype(np.int32),
-    }
-    for name, array in columns.items():
-        out[name] = array[pos, row]
-    return pa.table(out)
+    """Joins per-prompt or per-part tables into the table of one run over all prompts:
+    rows in prompt order, then position order."""
+    return _sorted(pa.concat_tables(tables))

@@ -13,6 +13,7 @@ import os
 import pathlib
 import re
 import secrets
+import sys
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -21,6 +22,7 @@ import gguf
 import jax.numpy as jnp
 import numpy as np
 import safetensors
+import tqdm
 from jax.sharding import Mesh
 
 from jaxcert import _paths
@@ -150,7 +152,14 @@ def write_dequantized(
         with os.fdopen(fd, "wb") as f:
             f.write(len(blob).to_bytes(8, "little"))
             f.write(blob)
-            for t in reader.tensors:
+            bar = tqdm.tqdm(
+                reader.tensors,
+                desc=f"dequantising {pathlib.Path(source).name} (once; cached)",
+                unit="tensor",
+                file=sys.stderr,
+                leave=False,
+            )
+            for t in bar:
                 f.write(_dequantize(t, np_dtype, source).tobytes())
         os.replace(tmp, out)
     except BaseException:

@@ -1,8 +1,10 @@
 """Shared test set-up: make the helper modules in tests/ (and tests/models/) importable."""
 
 import json
+import os
 import pathlib
 import sys
+import tempfile
 
 import pytest
 
@@ -11,6 +13,10 @@ _HERE = pathlib.Path(__file__).resolve().parent
 for folder in (_HERE, _HERE / "models"):
     if str(folder) not in sys.path:
         sys.path.append(str(folder))
+
+# The CLI turns on JAX's persistent compilation cache: in tests, a fresh folder per session
+# (inherited by the subprocesses) instead of the user's cache.
+os.environ.setdefault("JAXCERT_COMPILE_CACHE", tempfile.mkdtemp(prefix="jaxcert-xla-"))
 
 
 # A tiny checkpoint and four short prompts for the CLI tests that compare runs (mesh, processes).

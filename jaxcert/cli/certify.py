@@ -112,6 +112,30 @@ def add_parser(sub) -> None:
         help="output folder (default jaxcert-out/certify)",
     )
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the interrupted run in --out (same options); finished prompts are "
+        "not recomputed",
+    )
+    group.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the run already in --out (without it, an existing run is refused)",
+    )
+    p.add_argument(
+        "--shard-rows",
+        type=positive,
+        default=65_536,
+        help="positions per Parquet shard of the streamed output (default 65536)",
+    )
+    p.add_argument(
+        "--shard-seconds",
+        type=positive,
+        default=60,
+        help="write a shard at least this often (seconds; bounds what a kill loses; default 60)",
+    )
     mesh_lib.add_mesh_argument(p, "each batch of prompts is split over data")
     mesh_lib.add_distributed_arguments(p)
     p.set_defaults(func=run)
@@ -146,31 +170,24 @@ def _from_bytes(payload: bytes):
     return table.replace_schema_metadata(None), header
 
 
-def _merge(payloads: list[bytes], fingerprint: dict):
-    """The merged table and the parts' ``info`` from every process's part (process order)."""
-    from jaxcert import certify
-
-    tables, infos = [], []
-    for i, payload in enumerate(payloads):
-        table, header = _from_bytes(payload)
-        if header["fingerprint"] != json.loads(json.dumps(fingerprint, default=str)):
-            raise ValueError(
-                f"process {i} ran a different job than process 0 (target, prompts, rules or "
-                f"options differ): {header['fingerprint']} vs {fingerprint}; every process "
-                "must run the same command"
-            )
-        tables.append(table)
-        infos.append(header["info"])
-    return certify.merge_parts(tables), infos
+def _check_part(i: int, header: dict, fingerprint: dict) -> None:
+    if header["fingerprint"] != json.loads(json.dumps(fingerprint, default=str)):
+        raise ValueError(
+            f"process {i} ran a different job than process 0 (target, prompts, rules or "
+            f"options differ): {header['fingerprint']} vs {fingerprint}; every process "
+            "must run the same command"
+        )
 
 
 def _merged_info(infos: list[dict]) -> dict:
-    """One ``info`` for the whole run: counts of the first part, positions summed, the
+    """One ``info`` for the whole run: counts of the first part, sums of the work, the
     slowest process's timings, and every part's own ``info`` under ``processes``."""
     first = infos[0]
     info = {k: first[k] for k in ("prompts_given", "prompts_used", "prompts_skipped_short")}
-    info["positions"] = sum(i["positions"] for i in infos)
-    for key in ("prefill_s", "decode_s"):
+    for key in ("positions", "prefill_tokens", "prefill_padded_tokens", "decode_slot_steps",
+                "decode_active_steps"):  # fmt: skip
+        info[key] = sum(i[key] for i in infos)
+    for key in ("prefill_s", "decode_s", "compile_s"):
         info[key] = max(i[key] for i in infos)
     info["processes"] = infos
     return info
@@ -226,13 +243,64 @@ def run(args) -> int:
         raise
 
 
-def _run(args, dist: mesh_lib.Distributed, peers: _Peers) -> int:
-    import jax.numpy as jnp
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    from tqdm import tqdm
+def _check_out(out: pathlib.Path, resume: bool, overwrite: bool) -> None:
+    """Fails fast (before loading anything) on an --out that would be overwritten."""
+    from jaxcert import certify_store
 
-    from jaxcert import certify, models, prompts
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file, not a folder")
+    held = (out / certify_store.MANIFEST).exists() or (out / certify_store.DATASET).exists()
+    if held and not (resume or overwrite):
+        raise certify_store.OutputExists(
+            f"{out} already holds a certify run; pass --resume to continue it or "
+            "--overwrite to replace it (or choose another --out)"
+        )
+    if resume and not held:
+        raise ValueError(f"nothing to resume in {out}: no certify run there")
+
+
+class _Display:
+    """The run's one progress bar: prompts done, positions/s, stage and ETA."""
+
+    def __init__(self, desc: str):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=0, unit="prompt", desc=desc, file=sys.stderr, dynamic_ncols=True)
+        self.desc = desc
+        self.started: float | None = None
+
+    def __call__(self, p) -> None:
+        now = time.perf_counter()
+        if self.started is None and p.stage != "compile":
+            self.started = now
+        rate = p.positions / (now - self.started) if self.started and now > self.started else 0.0
+        self.bar.total = p.prompts_total
+        self.bar.n = p.prompts_done
+        stage = {"compile": "compiling (cached for later runs)"}.get(p.stage, p.stage)
+        self.bar.set_description(f"{self.desc} [{stage}]", refresh=False)
+        self.bar.set_postfix_str(f"{p.positions} positions, {rate:.1f} pos/s", refresh=False)
+        self.bar.refresh()
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _prompts_digest(prompt_set) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for p in prompt_set:
+        h.update(json.dumps([p.id, p.text, p.category]).encode())
+    return h.hexdigest()
+
+
+def _run(args, dist: mesh_lib.Distributed, peers: _Peers) -> int:
+    import shutil
+
+    import jax.numpy as jnp
+
+    import jaxcert
+    from jaxcert import certify, certify_store, models, prompts
     from jaxcert.rules import parse_rules
 
     multi = dist.process_count > 1
@@ -246,12 +314,17 @@ def _run(args, dist: mesh_lib.Distributed, peers: _Peers) -> int:
         chat=not args.no_chat,
         system_prompt=args.system_prompt,
     )
+    if multi and args.resume:
+        raise ValueError("--resume is supported for one-process runs only (for now)")
     device_mesh = mesh_lib.make_mesh(args.mesh)
     mesh = device_mesh if device_mesh.size > 1 else None  # one device: no placement at all
     out = args.out
-    out.mkdir(parents=True, exist_ok=True)
+    if dist.is_main:
+        _check_out(out, args.resume, args.overwrite)
     started = time.perf_counter()
+    compile_cache = jaxcert.enable_compilation_cache()
     prompt_set = prompts.load_prompts(args.prompts, turn=args.turn, max_prompts=args.max_prompts)
+    print(f"{tag} loading target {args.target} ...", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
     lm = models.load(args.target, dtype=dtype, mesh=mesh)  # each weight onto its shards
@@ -263,16 +336,6 @@ def _run(args, dist: mesh_lib.Distributed, peers: _Peers) -> int:
         + (f"; process {dist.process_index} of {dist.process_count}" if multi else ""),
         file=sys.stderr,
     )
-
-    done: list[pa.Table] = []
-    desc = f"certify {dist.process_index + 1}/{dist.process_count}" if multi else "certify"
-    bar = tqdm(total=1, unit="step", desc=desc, file=sys.stderr, dynamic_ncols=True)
-
-    def progress(step, total):
-        bar.total = total
-        bar.n = step
-        bar.refresh()
-
     meta = {
         "command": " ".join(sys.argv),
         "target": str(lm.path),
@@ -281,75 +344,104 @@ def _run(args, dist: mesh_lib.Distributed, peers: _Peers) -> int:
         "options": vars(options) | {},
         "load_s": round(load_s, 2),
         "mesh": dict(device_mesh.shape),
+        "compilation_cache": None if compile_cache is None else str(compile_cache),
     }
     if multi:
         meta["process_count"] = dist.process_count
-    # What every process must agree on to make one table.
-    fingerprint = {k: meta[k] for k in ("prompts", "rules", "options")}
-    fingerprint |= {"target": args.target, "turn": args.turn, "prompts_given": len(prompt_set)}
-    part = (dist.process_index, dist.process_count) if multi else None
-    suffix = dist.part_name("", "") if multi else ""  # ".part-00001-of-00004"
-    try:
-        table, info = certify.certify_prompts(
-            lm,
-            prompt_set,
-            rules,
-            options,
-            mesh=mesh,
-            part=part,
-            progress=progress,
-            on_batch=done.append,
+    # What a resumed run, and every process of a multi-process run, must agree on.
+    fingerprint = {
+        "target": args.target,
+        "model_sha256": certify_store.fingerprint_path(lm.path),
+        "dtype": args.dtype,
+        "prompts": args.prompts,
+        "prompts_sha256": _prompts_digest(prompt_set),
+        "turn": args.turn,
+        "rules": meta["rules"],
+        "options": meta["options"],
+        "mesh": meta["mesh"],
+        "process_count": dist.process_count,
+        "jaxcert": jaxcert.__version__,
+    }
+    # Process 0 streams into --out; the others into a hidden scratch folder of theirs, sent
+    # to process 0 at the end (no shared file system needed).
+    scratch = out / f".process-{dist.process_index:05d}" if not dist.is_main else None
+    writer = certify_store.ShardWriter(
+        scratch or out,
+        fingerprint,
+        resume=args.resume,
+        overwrite=args.overwrite or scratch is not None,
+        shard_rows=args.shard_rows,
+        shard_seconds=args.shard_seconds,
+    )
+    if writer.done_prompts:
+        print(
+            f"{tag} resuming: {len(writer.done_prompts)} prompts ({writer.rows_written} "
+            f"positions) already in {out}",
+            file=sys.stderr,
         )
-    except BaseException:
-        bar.close()
-        if done:  # keep what was computed before the failure
-            partial = f"positions.partial{suffix}.parquet"
-            partial_table = pa.concat_tables(done)
-            if multi:
-                partial_table = partial_table.drop_columns(["prompt_order"])
-            pq.write_table(partial_table, out / partial)
-            meta["status"] = f"failed; partial results in {partial}"
-            (out / f"run{suffix}.json").write_text(json.dumps(meta, indent=2, default=str))
+    desc = f"certify {dist.process_index + 1}/{dist.process_count}" if multi else "certify"
+    display = _Display(desc)
+    part = (dist.process_index, dist.process_count) if multi else None
+    run = certify.Certifier(
+        lm, prompt_set, rules, options, mesh=mesh, part=part, skip=writer.done_prompts,
+        progress=display,
+    )  # fmt: skip
+    try:
+        for table in run:
+            writer.write(table)
+    except BaseException as err:
+        display.close()
+        status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
+        writer.close(status, error=f"{type(err).__name__}: {err}", info=run.info)
+        if writer.rows_written:  # everything computed is kept
             print(
-                f"{tag} failed; {sum(t.num_rows for t in done)} positions saved to {out / partial}",
+                f"{tag} {status}; {writer.rows_written} positions of "
+                f"{len(writer.done_prompts)} prompts are saved in {writer.out} (--resume "
+                "continues)",
                 file=sys.stderr,
             )
         raise
-    bar.close()
+    display.close()
+    info = run.info
+    info["prompts_resumed"] = len(writer.done_prompts) - info["prompts_this_run"]
+    writer.close("complete", info=info)
     if multi:
-        part_file = out / dist.part_name("positions", ".parquet")
+        table = certify_store.read_positions(writer.out)
         payload = _to_bytes(table, {"fingerprint": fingerprint, "info": info})
-        part_file.write_bytes(payload)
+        del table
         payloads = peers.send(payload)
         if not dist.is_main:  # process 0 has merged the parts: this one is done
-            part_file.unlink(missing_ok=True)
+            shutil.rmtree(scratch, ignore_errors=True)
             print(
                 f"{tag} {info['positions']} positions of {info['part']['prompts']} prompts "
                 "sent to process 0, which wrote the tables",
                 file=sys.stderr,
             )
             return 0
-        table, infos = _merge(payloads, fingerprint)
+        infos = [info]
+        for i, received in enumerate(payloads[1:], start=1):
+            table, header = _from_bytes(received)
+            _check_part(i, header, fingerprint)
+            writer.add_shard(table, f"part-p{i:05d}.parquet")
+            infos.append(header["info"])
         info = _merged_info(infos)
-    _write_report(args, out, table, info, meta, rules, options, started)
+        writer.close("complete", info=info)
+    _write_report(args, out, info, meta, rules, options, started)
     peers.done()
-    if multi:
-        part_file.unlink(missing_ok=True)
     return 0
 
 
-def _write_report(args, out, table, info, meta, rules, options, started) -> None:
-    import pyarrow.parquet as pq
+def _write_report(args, out, info, meta, rules, options, started) -> None:
+    from jaxcert import certify, certify_report, certify_store
 
-    from jaxcert import certify, certify_report
-
-    pq.write_table(table, out / "positions.parquet")
     rule_cols = [certify.rule_column(r) for r in rules]
     stat_cols = ["top1", f"top{options.top}_coverage", "margin", "entropy"]
+    table = certify_store.read_positions(out, ["prompt_id", *stat_cols, *rule_cols])
     summary = certify_report.summarize_positions(table, stat_cols + rule_cols)
     runs = certify_report.run_lengths(table, rule_cols)
     _write_csv(out / "summary.csv", summary)
     _write_csv(out / "run_lengths.csv", runs)
+    padded = info.get("prefill_padded_tokens", 0)
     text = (
         f"## Positions: {table.num_rows} ({info['prompts_used']} prompts x up to "
         f"{options.steps} greedy steps)\n\n{certify_report.markdown_table(summary)}\n\n"
@@ -363,7 +455,14 @@ def _write_report(args, out, table, info, meta, rules, options, started) -> None
     (out / "run.json").write_text(json.dumps(meta, indent=2, default=str))
     print(text)
     print(
-        f"[jaxcert] wrote {out}/positions.parquet, summary.md/.csv, run_lengths.csv"
+        f"[jaxcert] prefill padding {1 - info.get('prefill_tokens', 0) / max(padded, 1):.1%}, "
+        f"compile {info.get('compile_s', 0):.1f} s, prefill {info.get('prefill_s', 0):.1f} s, "
+        f"decode {info.get('decode_s', 0):.1f} s",
+        file=sys.stderr,
+    )
+    print(
+        f"[jaxcert] wrote {out}/positions.parquet/ (Parquet shards), manifest.json, "
+        "summary.md/.csv, run_lengths.csv"
         f"{'' if args.no_plots else ', certificate_cdf.png, certificate_vs_margin.png'} "
         f"in {meta['total_s']} s",
         file=sys.stderr,

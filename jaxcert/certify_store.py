@@ -1,0 +1,299 @@
+"""Streaming, resumable output of a certification run: Parquet shards plus a manifest.
+
+Layout of an output folder::
+
+  out/manifest.json                  what was run (fingerprint), which prompts are done
+  out/positions.parquet/             a Parquet dataset: one file per shard
+      part-00000.parquet             every row of a prompt is in one shard
+      part-00001.parquet
+      .part-00002.parquet.tmp        a shard being written (hidden; ignored by readers)
+
+``pyarrow.parquet.read_table(out / "positions.parquet")``, ``pandas.read_parquet`` and
+:func:`read_positions` (sorted by prompt, then position) read the dataset.
+
+Guarantees:
+
+* A shard is written to a hidden temporary file, flushed to disk, then renamed: a shard
+  file is complete or absent, also after ``kill -9``. The manifest is replaced the same way
+  after each shard. A resumed run takes the finished prompts from the shards themselves
+  (the manifest may lag one shard behind), deletes temporary leftovers, and certifies only
+  the prompts that no shard holds.
+* Existing output is never overwritten silently: a folder that holds a run is refused
+  unless ``resume`` (same fingerprint: target, prompts, rules and options) or
+  ``overwrite`` (its jaxcert files are removed; other files are left alone).
+* Nothing is created before the first shard: a run that fails before its first result
+  leaves no folder behind. Memory holds at most one shard of rows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+import time
+from collections.abc import Mapping
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+__all__ = [
+    "OutputExists",
+    "ShardWriter",
+    "fingerprint_path",
+    "read_positions",
+    "MANIFEST",
+    "DATASET",
+]
+
+MANIFEST = "manifest.json"
+DATASET = "positions.parquet"
+FORMAT = 1
+# Files a certify run writes next to the dataset (removed by ``overwrite``).
+REPORT_FILES = (
+    "summary.md",
+    "summary.csv",
+    "run_lengths.csv",
+    "run.json",
+    "certificate_cdf.png",
+    "certificate_vs_margin.png",
+)
+
+
+class OutputExists(ValueError):
+    """The output folder already holds a run (and neither resume nor overwrite was asked)."""
+
+
+def fingerprint_path(path: str | os.PathLike) -> str:
+    """A cheap content fingerprint of a checkpoint file or folder (hex sha256).
+
+    Hashes each file's name, size, first and last MiB (``.json``/``.jinja`` files in
+    full): it tells different checkpoints apart without reading gigabytes.
+    """
+    path = pathlib.Path(path)
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    h = hashlib.sha256()
+    for f in files:
+        if f.name.startswith("."):
+            continue
+        size = f.stat().st_size
+        h.update(f"{f.relative_to(path) if path.is_dir() else f.name}:{size}\n".encode())
+        with open(f, "rb") as fh:
+            if f.suffix in (".json", ".jinja", ".txt"):
+                h.update(fh.read())
+            else:
+                h.update(fh.read(1 << 20))
+                if size > 2 << 20:
+                    fh.seek(size - (1 << 20))
+                    h.update(fh.read())
+    return h.hexdigest()
+
+
+def _jsonable(value):
+    return json.loads(json.dumps(value, default=str))
+
+
+def _write_atomic(path: pathlib.Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _shard_index(name: str) -> int | None:
+    if name.startswith("part-") and name.endswith(".parquet"):
+        digits = name[len("part-") : -len(".parquet")]
+        return int(digits) if digits.isdigit() else None
+    return None
+
+
+def read_positions(out: str | os.PathLike, columns: list[str] | None = None) -> pa.Table:
+    """The positions of a certify output folder, sorted by ``prompt_index`` then ``position``.
+
+    Args:
+      out: the run's output folder (holding ``positions.parquet/``).
+      columns: read only these columns (``prompt_index`` and ``position`` are added).
+
+    Raises:
+      FileNotFoundError: no dataset in ``out``.
+    """
+    dataset = pathlib.Path(out) / DATASET
+    if not dataset.exists():
+        raise FileNotFoundError(f"no {DATASET} in {out}")
+    if columns is not None:
+        columns = list(dict.fromkeys(["prompt_index", "position", *columns]))
+    table = pq.read_table(dataset, columns=columns)
+    return table.sort_by([("prompt_index", "ascending"), ("position", "ascending")])
+
+
+class ShardWriter:
+    """Writes finished prompts' tables as Parquet shards into ``out``, with a manifest.
+
+    Args:
+      out: the output folder (created at the first shard).
+      fingerprint: what identifies the run (JSON-able); a resumed run must match it.
+      resume: continue the run in ``out`` (``done_prompts`` lists what is finished).
+      overwrite: remove a previous run's jaxcert files from ``out`` first.
+      shard_rows: a shard is written once this many rows are buffered ...
+      shard_seconds: ... or this many seconds after the last shard (bounds what a kill loses).
+      shard_prefix: file name prefix of this writer's shards (several processes).
+
+    Raises:
+      OutputExists: ``out`` holds a run and neither ``resume`` nor ``overwrite`` is set.
+      ValueError: ``resume`` with a different fingerprint or without a run to resume; both
+        flags; ``out`` is a file.
+    """
+
+    def __init__(
+        self,
+        out: str | os.PathLike,
+        fingerprint: Mapping,
+        *,
+        resume: bool = False,
+        overwrite: bool = False,
+        shard_rows: int = 65_536,
+        shard_seconds: float = 60.0,
+    ):
+        if resume and overwrite:
+            raise ValueError("--resume and --overwrite exclude each other")
+        self.out = pathlib.Path(out)
+        self.dataset = self.out / DATASET
+        self.manifest_path = self.out / MANIFEST
+        self.fingerprint = _jsonable(dict(fingerprint))
+        self.shard_rows, self.shard_seconds = shard_rows, shard_seconds
+        self.shards: list[dict] = []
+        self._buffer: list[pa.Table] = []
+        self._rows = 0
+        self._last = time.monotonic()
+        self._created = False
+        if self.out.exists() and not self.out.is_dir():
+            raise ValueError(f"--out {self.out} is a file, not a folder")
+        held = self._holds_run()
+        if resume:
+            if not held:
+                raise ValueError(f"nothing to resume in {self.out}: no {MANIFEST} or {DATASET}")
+            self._load_for_resume()
+        elif held:
+            if not overwrite:
+                raise OutputExists(
+                    f"{self.out} already holds a certify run; pass --resume to continue it "
+                    "or --overwrite to replace it (or choose another --out)"
+                )
+            self._remove_run()
+
+    # -- set-up -----------------------------------------------------------------------------
+
+    def _holds_run(self) -> bool:
+        return self.manifest_path.exists() or self.dataset.exists()
+
+    def _remove_run(self) -> None:
+        shutil.rmtree(self.dataset, ignore_errors=True)
+        for name in (MANIFEST, *REPORT_FILES):
+            (self.out / name).unlink(missing_ok=True)
+
+    def _load_for_resume(self) -> None:
+        if self.manifest_path.exists():
+            try:
+                manifest = json.loads(self.manifest_path.read_text())
+            except json.JSONDecodeError as err:
+                raise ValueError(
+                    f"{self.manifest_path} is corrupt ({err}); use --overwrite"
+                ) from None
+            if manifest.get("fingerprint") != self.fingerprint:
+                diff = sorted(
+                    k
+                    for k in set(self.fingerprint) | set(manifest.get("fingerprint", {}))
+                    if self.fingerprint.get(k) != manifest.get("fingerprint", {}).get(k)
+                )
+                raise ValueError(
+                    f"cannot resume {self.out}: it was run with other settings "
+                    f"({', '.join(diff)} differ); rerun with the same options, or --overwrite"
+                )
+        self._created = True
+        if not self.dataset.is_dir():
+            return
+        for leftover in self.dataset.glob(".*.tmp"):  # a shard cut short by a kill
+            leftover.unlink()
+        for path in sorted(self.dataset.glob("part-*.parquet")):
+            if _shard_index(path.name) is None:
+                continue
+            try:
+                column = pq.read_table(path, columns=["prompt_index"]).column("prompt_index")
+            except (pa.ArrowInvalid, OSError) as err:
+                raise ValueError(f"cannot resume: shard {path} is unreadable ({err})") from None
+            prompts = sorted({int(i) for i in column.to_pylist()})
+            self.shards.append({"file": path.name, "rows": len(column), "prompts": prompts})
+
+    @property
+    def done_prompts(self) -> set[int]:
+        """Prompt indices held by the shards written so far (resumed ones included)."""
+        return {i for s in self.shards for i in s["prompts"]}
+
+    @property
+    def rows_written(self) -> int:
+        return sum(s["rows"] for s in self.shards)
+
+    # -- writing ----------------------------------------------------------------------------
+
+    def write(self, table: pa.Table) -> None:
+        """Buffers one finished prompt's rows; writes a shard when the buffer is full."""
+        self._buffer.append(table)
+        self._rows += table.num_rows
+        stale = time.monotonic() - self._last >= self.shard_seconds
+        if self._rows >= self.shard_rows or stale:
+            self.flush()
+
+    def flush(self) -> None:
+        """Writes the buffered rows as one shard (atomically) and updates the manifest."""
+        if not self._buffer:
+            return
+        table = pa.concat_tables(self._buffer)
+        self.dataset.mkdir(parents=True, exist_ok=True)
+        self._created = True
+        index = 1 + max((_shard_index(s["file"]) for s in self.shards), default=-1)
+        final = self.dataset / f"part-{index:05d}.parquet"
+        tmp = self.dataset / f".{final.name}.tmp"
+        with open(tmp, "wb") as f:
+            pq.write_table(table, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+        prompts = sorted({int(i) for i in table.column("prompt_index").to_pylist()})
+        self.shards.append({"file": final.name, "rows": table.num_rows, "prompts": prompts})
+        self._buffer, self._rows = [], 0
+        self._last = time.monotonic()
+        self.write_manifest("running")
+
+    def write_manifest(self, status: str, **extra) -> None:
+        """Replaces ``manifest.json`` atomically (only once the folder exists)."""
+        if not self._created:
+            return
+        manifest = {
+            "format": FORMAT,
+            "status": status,
+            "fingerprint": self.fingerprint,
+            "rows": self.rows_written,
+            "prompts_done": sorted(self.done_prompts),
+            "shards": self.shards,
+            **_jsonable(extra),
+        }
+        self.out.mkdir(parents=True, exist_ok=True)
+        _write_atomic(self.manifest_path, json.dumps(manifest, indent=1).encode())
+
+    def add_shard(self, table: pa.Table, name: str) -> None:
+        """Adds a shard made elsewhere (another process's part) as ``name``, atomically."""
+        self.dataset.mkdir(parents=True, exist_ok=True)
+        self._created = True
+        sink = pa.BufferOutputStream()
+        pq.write_table(table, sink)
+        _write_atomic(self.dataset / name, sink.getvalue().to_pybytes())
+        prompts = sorted({int(i) for i in table.column("prompt_index").to_pylist()})
+        self.shards.append({"file": name, "rows": table.num_rows, "prompts": prompts})
+
+    def close(self, status: str, **extra) -> None:
+        """Writes what is buffered and the final manifest (``status``: complete, failed...)."""
+        self.flush()
+        self.write_manifest(status, **extra)
