@@ -21,7 +21,8 @@ def summarize_positions(table: pa.Table, columns: Sequence[str]) -> list[dict]:
 
     ``+inf`` values (rule cannot reject) count as larger than everything in the median and
     percentile; the mean is over finite values, and ``inf_share`` reports how many were
-    infinite.
+    infinite. ``nan`` values (certificates a top-``K`` window does not determine) are left
+    out: ``n`` counts the others.
 
     Returns:
       One dict per column: ``column, n, mean, median, p5, inf_share``.
@@ -29,6 +30,7 @@ def summarize_positions(table: pa.Table, columns: Sequence[str]) -> list[dict]:
     rows = []
     for name in columns:
         values = np.asarray(table.column(name).to_numpy(zero_copy_only=False), np.float64)
+        values = values[~np.isnan(values)]
         finite = values[np.isfinite(values)]
         rows.append(
             {

@@ -20,6 +20,7 @@ from multidevice import run
 from jaxcert import certify, cli, models, prompts
 from jaxcert import mesh as mesh_lib
 from jaxcert import rules as R
+from jaxcert.certify_store import read_positions
 
 RULES = "greedy,additive:0.3,typical,tree:2"
 # Columns that must match exactly in every run; the rest are float32 statistics.
@@ -115,7 +116,7 @@ def test_parts_merge_into_the_one_process_table(checkpoint):
     whole, _ = certify.certify_prompts(lm, prompt_set, rules, options)
     parts = [certify.certify_prompts(lm, prompt_set, rules, options, part=(i, 4))[0]
              for i in (2, 0, 3, 1)]  # fmt: skip
-    assert all("prompt_order" in p.column_names for p in parts)
+    assert all("prompt_index" in p.column_names for p in parts)
     assert sum(p.num_rows for p in parts) == whole.num_rows
     assert certify.merge_parts(parts).equals(whole)  # the same shapes: bit-identical
     with pytest.raises(ValueError, match="7 processes for 6 prompts"):
@@ -132,7 +133,7 @@ def test_certify_on_8_devices_equals_one_device(checkpoint, prompt_file, tmp_pat
         out = tmp_path / f"one-bs{batch}"
         args = _certify_args(checkpoint, prompt_file, out, "--batch-size", str(batch))
         assert cli.main(args) == 0
-        base[batch] = pq.read_table(out / "positions.parquet")
+        base[batch] = read_positions(out)
     meshes = {"default": [], "data8": ["--mesh", "data=8"], "tp": ["--mesh", "data=2,model=4"]}
     calls = {name: _certify_args(checkpoint, prompt_file, tmp_path / name, "--batch-size", "8",
                                  *flags) for name, flags in meshes.items()}  # fmt: skip
@@ -147,7 +148,7 @@ def test_certify_on_8_devices_equals_one_device(checkpoint, prompt_file, tmp_pat
     assert got == {"default": {"data": 8, "model": 1}, "data8": {"data": 8, "model": 1},
                    "tp": {"data": 2, "model": 4}}  # fmt: skip
     for name in meshes:
-        table = pq.read_table(tmp_path / name / "positions.parquet")
+        table = read_positions(tmp_path / name)
         if name == "tp":  # tensor parallel: other summation orders
             assert_same_table(table, base[8], exact=False)
             assert_same_table(table, base[1], exact=False)

@@ -1,0 +1,448 @@
+"""Certificates of logits computed elsewhere: dense dumps and top-``K`` log-probability records.
+
+Two inputs, one table (one row per position):
+
+* **Dense logits** ``[N, V]`` or ``[B, T, V]`` (float32, bfloat16 or float16), e.g. from
+  ``.npy`` / ``.safetensors`` dumps or transformers' ``generate(output_logits=True)``:
+  every certificate is exact (the full-vocabulary solver), streamed in fixed chunks of
+  rows (:func:`certify_dense`, :func:`iter_dense_file`).
+* **Top-K log-probabilities**, as returned by serving engines (vLLM, SGLang, TGI,
+  llama.cpp's server; the OpenAI-compatible ``logprobs.content[i].top_logprobs[j].logprob``):
+  :func:`certify_top_logprobs`.
+
+**When the top ``K`` determine a certificate.** By spec sections 2-3 the certificate
+depends only on the pool ``P ⊆ U ∪ T*``: the accepted set ``U`` (a prefix of the tokens
+sorted by ``p``) and ``T*``, the next ``m`` tokens. The window of the ``K`` largest
+probabilities therefore determines ``C_p`` exactly iff it holds ``U`` and ``T*``:
+
+* strict greedy, ``topk:k`` and ``tree:m``: ``|U|`` is fixed (1, ``k``, 1), so the window
+  must reach ``|U| + m`` tokens: ``K >= 2``, ``K >= k + 1``, ``K >= m + 1``;
+* additive / multiplicative (and tree over them): ``U`` is a threshold set; it is known
+  once the window holds a token below the threshold (every token outside the window is
+  then below it too), and ``T*`` once the window holds ``|U| + m`` tokens;
+  (when ``p(x0) <= t`` every token is in ``U`` and ``C_p = +inf`` whatever the tail);
+* typical: the threshold ``min(eps, delta e^{-H})`` needs the entropy ``H``. From the
+  window alone ``H`` lies in ``[H_lo, H_hi]``: the unseen mass ``r = 1 - sum_window p``
+  sits on at most ``V - K`` tokens each at most ``p_K`` (the smallest seen), so
+  ``H_hi = H_window + r log((V - K) / r)`` (spread evenly) and ``H_lo = H_window +
+  n p_K log(1/p_K) + s log(1/s)`` with ``n = floor(r / p_K)``, ``s = r - n p_K``
+  (packed at ``p_K``; ``-x log x`` is concave, so the extreme points of the polytope
+  give the extremes). The certificate is determined when ``U`` is the same at both ends
+  (and the window reaches ``|U| + m``); this needs the vocabulary size ``V``.
+
+Elsewhere the value is ``nan`` and ``determined`` is ``False``: the engine's top-``K``
+is too short for that rule at that position (a longer ``top_logprobs`` helps).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+from collections.abc import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pyarrow as pa
+
+from jaxcert import rules as rules_lib
+from jaxcert import solver
+from jaxcert import stats as stats_lib
+
+__all__ = [
+    "certify_dense",
+    "certify_top_logprobs",
+    "entropy_bounds",
+    "iter_dense_file",
+    "read_logprob_records",
+    "stack_generate_logits",
+]
+
+_LOGPROB_TOLERANCE = 1e-3  # log-probabilities may exceed 0 by float rounding of engines
+
+
+def _rule_columns(rules) -> list[str]:
+    return [f"cert_{r.spec}" for r in rules]
+
+
+# ---------------------------------------------------------------------------------------------
+# Dense logits
+
+
+@jax.jit
+def _dense_stats(x):
+    st = stats_lib.distribution_stats(x, top=10)
+    return st.greedy_token, st.top1, st.top_coverage, st.margin, st.entropy
+
+
+def certify_dense(logits, rules: Sequence) -> dict[str, np.ndarray]:
+    """Exact certificates and statistics of dense logits (one chunk).
+
+    Args:
+      logits: ``[N, V]`` float32/bfloat16/float16 logits (or log-probabilities) of the
+        target ``p``; ``-inf`` is a zero-probability token.
+      rules: the rules.
+
+    Returns:
+      Columns ``token`` (``x0``), ``top1``, ``top10_coverage``, ``margin``, ``entropy``
+      (nats) and ``cert_<rule>`` (nats; ``inf`` where rejection is impossible), each
+      ``[N]``.
+
+    Raises:
+      ValueError: not ``[N, V]`` floating point, or a row with NaN / ``+inf`` / no finite
+        logit (named by its index in the chunk).
+    """
+    x = jnp.asarray(logits)
+    if x.ndim != 2 or not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"dense logits must be floating [N, V], got {x.shape} {x.dtype}")
+    certs = solver.certificates(x, tuple(rules))
+    token, top1, cover, margin, entropy = jax.device_get(_dense_stats(x))
+    valid = np.asarray(certs[0].valid)
+    if not valid.all():
+        bad = np.flatnonzero(~valid)[:5].tolist()
+        raise ValueError(f"rows {bad} of this chunk hold NaN or +inf logits, or no finite logit")
+    out = {"token": token.astype(np.int32), "top1": top1, "top10_coverage": cover,
+           "margin": margin, "entropy": entropy}  # fmt: skip
+    for rule, cert in zip(rules, certs, strict=True):
+        out[f"cert_{rule.spec}"] = np.asarray(cert.value)
+    return out
+
+
+def stack_generate_logits(scores) -> np.ndarray:
+    """transformers' ``generate(..., output_logits=True).logits`` (a tuple of ``T`` arrays
+    ``[B, V]``, torch or NumPy) as one ``[B, T, V]`` float32 NumPy array."""
+
+    def host(t):
+        if hasattr(t, "detach"):  # a torch tensor (bfloat16 has no NumPy twin: go via float)
+            t = t.detach().float().cpu().numpy()
+        return np.asarray(t, np.float32)
+
+    return np.stack([host(t) for t in scores], axis=1)
+
+
+def _open_dense(path: pathlib.Path, tensor: str | None):
+    """A ``[B, T, V]`` or ``[N, V]`` array-like (memory-mapped / lazily sliced) of a dump."""
+    if path.suffix == ".npy":
+        try:
+            array = np.load(path, mmap_mode="r")
+        except ValueError as err:
+            raise ValueError(f"{path}: not a readable .npy array ({err})") from None
+        if array.dtype == np.dtype("V2"):  # ml_dtypes.bfloat16 saved by np.save
+            import ml_dtypes
+
+            array = array.view(ml_dtypes.bfloat16)
+        return array, tuple(array.shape)
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        try:
+            f = safe_open(path, framework="numpy")
+        except Exception as err:  # safetensors raises its own error types
+            raise ValueError(f"{path}: not a readable safetensors file ({err})") from None
+        names = list(f.keys())
+        if tensor is None:
+            if len(names) != 1 and "logits" not in names:
+                raise ValueError(
+                    f"{path} holds {len(names)} tensors {names[:8]}: name one with --tensor"
+                )
+            tensor = "logits" if "logits" in names else names[0]
+        if tensor not in names:
+            raise ValueError(f"{path} has no tensor {tensor!r} (it has {names[:8]})")
+        sliced = f.get_slice(tensor)
+        return sliced, tuple(sliced.get_shape())
+    raise ValueError(f"{path}: dense logits must be a .npy or .safetensors file")
+
+
+def iter_dense_file(
+    path: str | os.PathLike, *, chunk_rows: int = 64, tensor: str | None = None
+) -> Iterator[tuple[dict[str, np.ndarray], np.ndarray]]:
+    """Streams a dense dump in chunks of at most ``chunk_rows`` rows (memory: one chunk).
+
+    Yields:
+      ``(index, logits)``: index columns (``sequence`` and ``position`` for ``[B, T, V]``,
+      ``row`` for ``[N, V]``) and the chunk's ``[n, V]`` logits in their stored dtype.
+
+    Raises:
+      ValueError: another suffix, an unreadable file, a missing tensor, another rank, or a
+        non-floating dtype.
+    """
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise ValueError(f"logits file not found: {path}")
+    array, shape = _open_dense(path, tensor)
+    if len(shape) not in (2, 3) or shape[-1] < 2:
+        raise ValueError(f"{path}: logits must be [N, V] or [B, T, V] with V >= 2, got {shape}")
+    if len(shape) == 2:
+        for start in range(0, shape[0], chunk_rows):
+            stop = min(shape[0], start + chunk_rows)
+            rows = np.arange(start, stop, dtype=np.int64)
+            yield {"row": rows}, _floating(array[start:stop], path)
+        return
+    b, t, _ = shape
+    for seq in range(b):
+        for start in range(0, t, chunk_rows):
+            stop = min(t, start + chunk_rows)
+            index = {
+                "sequence": np.full(stop - start, seq, np.int64),
+                "position": np.arange(start, stop, dtype=np.int32),
+            }
+            yield index, _floating(array[seq : seq + 1, start:stop][0], path)
+
+
+def _floating(chunk, path) -> np.ndarray:
+    chunk = np.asarray(chunk)
+    if not (np.issubdtype(chunk.dtype, np.floating) or chunk.dtype.name == "bfloat16"):
+        raise ValueError(f"{path}: logits must be floating point, got {chunk.dtype}")
+    return chunk
+
+
+# ---------------------------------------------------------------------------------------------
+# Top-K log-probabilities
+
+
+def entropy_bounds(top_p: np.ndarray, vocab_size: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """Bounds on ``H(p)`` (nats) from the ``K`` largest probabilities of each row.
+
+    Args:
+      top_p: ``[N, K]`` probabilities (``0`` marks a missing entry), any order.
+      vocab_size: ``V``; ``None``: unknown (the upper bound is ``inf``).
+
+    Returns:
+      ``(lower, upper)``, each ``[N]``: ``H`` of every distribution on ``V`` tokens whose
+      ``K`` largest probabilities are these lies in ``[lower, upper]`` (module docstring).
+    """
+    top_p = np.asarray(top_p, np.float64)
+    seen = top_p > 0
+    k = seen.sum(-1)
+    safe = np.where(seen, top_p, 1.0)
+    h_window = -np.sum(np.where(seen, top_p * np.log(safe), 0.0), -1)
+    rest = np.clip(1.0 - np.sum(top_p, -1), 0.0, None)
+    p_min = np.where(seen, top_p, np.inf).min(-1)
+    p_min = np.where(np.isfinite(p_min), p_min, 1.0)
+    full = np.floor(rest / p_min)
+    part = rest - full * p_min
+
+    def xlogx(x):
+        return np.where(x > 0, x * np.log(np.where(x > 0, x, 1.0)), 0.0)
+
+    lower = h_window - full * xlogx(p_min) - xlogx(part)
+    if vocab_size is None:
+        upper = np.full_like(lower, np.inf)
+    else:
+        n = np.maximum(vocab_size - k, 1)
+        upper = h_window + np.where(rest > 0, rest * np.log(n / np.where(rest > 0, rest, 1.0)), 0)
+    return lower, np.maximum(upper, lower)
+
+
+def certify_top_logprobs(
+    logprobs, rules: Sequence, *, vocab_size: int | None = None
+) -> dict[str, np.ndarray]:
+    """Certificates from each position's top-``K`` log-probabilities, where determined.
+
+    Args:
+      logprobs: ``[N, K]`` natural-log probabilities of the ``K`` most probable tokens of
+        each position (any order; ``-inf`` or NaN marks a missing entry when rows have fewer).
+        They must be normalised over the full vocabulary, as engines return them.
+      rules: the rules.
+      vocab_size: ``V``, the model's vocabulary size (needed to determine ``typical``).
+
+    Returns:
+      Columns, each ``[N]``: ``k`` (entries seen), ``top1``, ``margin`` (``nan`` with one
+      entry), ``window_mass`` (total probability seen), ``entropy_lower`` /
+      ``entropy_upper`` (nats), and per rule ``cert_<rule>`` (nats; ``nan`` where not
+      determined) and ``determined_<rule>`` (bool).
+
+    Raises:
+      ValueError: not ``[N, K]``, a row without entries, or values that are not
+        log-probabilities (above 0, or summing past 1), naming the row.
+    """
+    x = np.asarray(logprobs, np.float64)
+    if x.ndim != 2 or x.shape[1] < 1:
+        raise ValueError(f"top log-probabilities must be [N, K], got shape {x.shape}")
+    x = np.where(np.isnan(x), -np.inf, x)
+    x = -np.sort(-x, axis=-1)  # decreasing; missing entries (-inf) last
+    k = np.sum(np.isfinite(x), -1)
+    if x.shape[0] and k.min() < 1:
+        raise ValueError(f"row {int(np.argmin(k))} has no log-probability")
+    p = np.exp(x)
+    bad = (x[:, 0] > _LOGPROB_TOLERANCE) | (p.sum(-1) > 1 + _LOGPROB_TOLERANCE)
+    if bad.any():
+        raise ValueError(
+            f"row {int(np.flatnonzero(bad)[0])}: these are not log-probabilities (a value "
+            "above 0 or a total probability above 1); pass the engine's logprobs, not logits"
+        )
+    x = np.minimum(x, 0.0)
+    h_lo, h_hi = entropy_bounds(p, vocab_size)
+    vocab = vocab_size if vocab_size is not None else 2**30
+    window = x.shape[1]
+    top_x = jnp.asarray(x, jnp.float32)
+    log_p_max = top_x[:, 0]
+    out = {
+        "k": k.astype(np.int32),
+        "top1": p[:, 0],
+        "margin": (p[:, 0] - p[:, 1]) if window > 1 else np.full(len(x), np.nan),
+        "window_mass": p.sum(-1),
+        "entropy_lower": h_lo,
+        "entropy_upper": h_hi,
+    }
+    if window > 1:
+        out["margin"] = np.where(k > 1, out["margin"], np.nan)
+    positions = np.arange(window)
+    for rule in rules:
+        m = rule.list_size
+        upper_lo = upper_hi = None
+        if rule.static_upper_size is not None:
+            size = min(rule.static_upper_size, vocab)
+            determined = (size + m <= k) | (k >= vocab)
+            entropy = None
+        else:
+            counts = []
+            for h in (h_lo, h_hi) if rule.needs_entropy else (h_lo,):
+                member = rules_lib.in_upper_set(
+                    rule, top_x - log_p_max[:, None], log_p_max[:, None],
+                    jnp.asarray(h, jnp.float32)[:, None],
+                )  # fmt: skip
+                member = np.asarray(member) & (positions[None, :] < k[:, None])
+                counts.append(member.sum(-1))
+            upper_lo, upper_hi = counts[0], counts[-1]
+            determined = (upper_lo == upper_hi) & ((upper_lo + m <= k) | (k >= vocab))
+            entropy = h_lo
+            # A threshold at or below 0 (additive with p(x0) <= t) puts every token in U:
+            # rejection is impossible whatever the tail holds.
+            everything = np.asarray(
+                rules_lib.in_upper_set(rule, -jnp.inf, log_p_max, jnp.asarray(h_hi, jnp.float32))
+            )
+            determined = determined | everything
+        prep = solver._Prepared(
+            x=top_x,
+            valid=jnp.ones(len(x), bool),
+            top_x=top_x,
+            top_i=jnp.broadcast_to(jnp.arange(window, dtype=jnp.int32), top_x.shape),
+            log_p_max=log_p_max,
+            entropy=None if entropy is None else jnp.asarray(entropy, jnp.float32),
+        )
+        sol, _ = solver._solve_window(prep, rule, window, vocab)
+        value = np.asarray(solver._finish(prep, sol, False, None).value, np.float64)
+        if rule.static_upper_size is None:
+            value = np.where(everything, np.inf, value)
+        out[f"cert_{rule.spec}"] = np.where(determined, value, np.nan)
+        out[f"determined_{rule.spec}"] = np.asarray(determined, bool)
+    return out
+
+
+def _entries(position) -> list[float]:
+    """The log-probabilities of one position's top list, in any of the engines' spellings."""
+    if isinstance(position, dict) and "top_logprobs" in position:
+        entries = position["top_logprobs"]
+    elif isinstance(position, dict) and "probs" in position:  # llama.cpp /completion
+        entries = position["probs"]
+    elif isinstance(position, dict) and "top_tokens" in position:
+        entries = position["top_tokens"]
+    else:
+        entries = position
+    if isinstance(entries, dict):  # legacy completions: {token: logprob}
+        return [float(v) for v in entries.values()]
+    values = []
+    for e in entries or ():
+        if isinstance(e, dict) and "logprob" in e:
+            values.append(float(e["logprob"]))
+        elif isinstance(e, dict) and "prob" in e:
+            values.append(math.log(e["prob"]) if e["prob"] > 0 else -math.inf)
+        else:
+            raise ValueError(f"an entry without 'logprob' or 'prob': {str(e)[:80]}")
+    return values
+
+
+def _sequences(record) -> list[list]:
+    """The per-position top lists of each sequence (choice) of one response record."""
+    if isinstance(record, dict) and "choices" in record:
+        out = []
+        for choice in record["choices"]:
+            lp = choice.get("logprobs") or {}
+            if "content" in lp:  # chat completions
+                out.append(lp["content"] or [])
+            elif "top_logprobs" in lp:  # completions: list of {token: logprob}
+                out.append(lp["top_logprobs"] or [])
+            else:
+                raise ValueError("a choice without logprobs (request top_logprobs / logprobs)")
+        return out
+    if isinstance(record, dict) and "details" in record:  # TGI
+        return [record["details"].get("top_tokens") or []]
+    if isinstance(record, dict) and "completion_probabilities" in record:  # llama.cpp
+        return [record["completion_probabilities"]]
+    if isinstance(record, dict) and "content" in record and isinstance(record["content"], list):
+        return [record["content"]]  # a bare logprobs object
+    if isinstance(record, list):
+        return [record]
+    raise ValueError(
+        "unrecognised record: expected an OpenAI-style response with choices[].logprobs, "
+        "a logprobs object with 'content', TGI 'details' or llama.cpp "
+        "'completion_probabilities'"
+    )
+
+
+def read_logprob_records(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Reads top-``K`` log-probability records (JSON Lines, or one JSON document).
+
+    Accepts per line: an OpenAI-compatible chat or completions response (vLLM, SGLang,
+    llama.cpp server, TGI's OpenAI route), a bare ``logprobs`` object, TGI's native
+    ``details.top_tokens`` or llama.cpp's ``completion_probabilities`` (``prob`` or
+    ``logprob``).
+
+    Returns:
+      ``(index, logprobs)``: index columns ``record`` (0-based line), ``choice`` and
+      ``position``, and ``[N, K]`` log-probabilities padded with ``-inf``.
+
+    Raises:
+      ValueError: unreadable JSON or an unrecognised record, naming the line.
+    """
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise ValueError(f"records file not found: {path}")
+    text = path.read_text(encoding="utf-8")
+    stripped = text.lstrip()
+    if stripped.startswith("["):
+        try:
+            documents = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}: invalid JSON ({err})") from None
+        lines = list(enumerate(documents))
+    else:
+        lines = []
+        for number, line in enumerate(text.splitlines()):
+            if line.strip():
+                try:
+                    lines.append((number, json.loads(line)))
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{path}:{number + 1}: invalid JSON ({err.msg})") from None
+    rows, index = [], {"record": [], "choice": [], "position": []}
+    for number, record in lines:
+        try:
+            sequences = _sequences(record)
+            for c, positions in enumerate(sequences):
+                for t, position in enumerate(positions):
+                    rows.append(_entries(position))
+                    index["record"].append(number)
+                    index["choice"].append(c)
+                    index["position"].append(t)
+        except (ValueError, TypeError, KeyError, AttributeError) as err:
+            raise ValueError(f"{path}:{number + 1}: {err}") from None
+    if not rows:
+        raise ValueError(f"{path}: no positions with top log-probabilities")
+    width = max(len(r) for r in rows)
+    logprobs = np.full((len(rows), width), -np.inf)
+    for i, r in enumerate(rows):
+        logprobs[i, : len(r)] = r
+    columns = {
+        "record": np.asarray(index["record"], np.int64),
+        "choice": np.asarray(index["choice"], np.int32),
+        "position": np.asarray(index["position"], np.int32),
+    }
+    return columns, logprobs
+
+
+def table(index: dict, columns: dict) -> pa.Table:
+    """One Arrow table from index and value columns."""
+    return pa.table({**index, **columns})
