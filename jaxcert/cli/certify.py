@@ -373,7 +373,8 @@ def _run(args, dist: mesh_lib.Distributed, peers: _Peers) -> int:
         shard_rows=args.shard_rows,
         shard_seconds=args.shard_seconds,
     )
-    if writer.done_prompts:
+    resumed = len(writer.done_prompts)
+    if resumed:
         print(
             f"{tag} resuming: {len(writer.done_prompts)} prompts ({writer.rows_written} "
             f"positions) already in {out}",
@@ -403,7 +404,7 @@ def _run(args, dist: mesh_lib.Distributed, peers: _Peers) -> int:
         raise
     display.close()
     info = run.info
-    info["prompts_resumed"] = len(writer.done_prompts) - info["prompts_this_run"]
+    info["prompts_resumed"] = resumed
     writer.close("complete", info=info)
     if multi:
         table = certify_store.read_positions(writer.out)

@@ -1,0 +1,156 @@
+"""Streaming output of ``jaxcert certify``: shards, manifest, kill -9 and --resume, refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pyarrow.parquet as pq
+import pytest
+
+from jaxcert import certify, certify_store, cli
+
+TEXTS = [f"{a} {b}" for a in ("the cat", "an otter", "he is", "a big one", "on the mat")
+         for b in ("sat on", "is in the water", "a, b?", "on")]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def many_prompts(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "many.jsonl"
+    path.write_text("".join(json.dumps({"id": f"q{i}", "prompt": t}) + "\n"
+                            for i, t in enumerate(TEXTS)))  # fmt: skip
+    return path
+
+
+def _args(checkpoint, prompts, out, *extra):
+    return ["certify", "--target", str(checkpoint), "--prompts", str(prompts), "--rules",
+            "greedy,tree:2,additive:0.3", "--steps", "6", "--batch-size", "3", "--no-plots",
+            "--out", str(out), *extra]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(checkpoint, many_prompts, tmp_path_factory):
+    out = tmp_path_factory.mktemp("whole") / "run"
+    assert cli.main(_args(checkpoint, many_prompts, out)) == 0
+    return out
+
+
+def test_a_run_streams_shards_and_a_manifest(checkpoint, many_prompts, uninterrupted, tmp_path):
+    out = tmp_path / "run"
+    assert cli.main(_args(checkpoint, many_prompts, out, "--shard-rows", "10")) == 0
+    shards = sorted(p.name for p in (out / "positions.parquet").iterdir())
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["status"] == "complete"
+    assert [s["file"] for s in manifest["shards"]] == shards and len(shards) > 5
+    assert manifest["prompts_done"] == list(range(len(TEXTS)))
+    assert sum(s["rows"] for s in manifest["shards"]) == manifest["rows"]
+    for s in manifest["shards"]:  # every row of a prompt is in one shard
+        table = pq.read_table(out / "positions.parquet" / s["file"])
+        assert sorted(set(table["prompt_index"].to_pylist())) == s["prompts"]
+    whole = certify_store.read_positions(uninterrupted)
+    assert certify_store.read_positions(out).equals(whole)  # shard size changes nothing
+    assert manifest["rows"] == whole.num_rows
+    info = json.loads((out / "run.json").read_text())
+    assert info["prefill_padded_tokens"] >= info["prefill_tokens"] > 0
+
+
+_KILLER = """
+    import os, signal, sys
+    from jaxcert import certify_store, cli
+    flush = certify_store.ShardWriter.flush
+    def flush_then_die(self):
+        if len(self.shards) == {after}:  # the next shard: die between write and rename
+            real = os.replace
+            def die(*a, **k):
+                os.kill(os.getpid(), signal.SIGKILL)
+            certify_store.os.replace = die
+        flush(self)
+    certify_store.ShardWriter.flush = flush_then_die
+    sys.exit(cli.main({args!r}))
+"""
+
+
+def test_kill_9_mid_write_then_resume_gives_the_uninterrupted_rows(
+    checkpoint, many_prompts, uninterrupted, tmp_path
+):
+    out = tmp_path / "run"
+    args = _args(checkpoint, many_prompts, out, "--shard-rows", "12")
+    code = textwrap.dedent(_KILLER.format(after=3, args=args))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=600, env=os.environ | {"PYTHONPATH": os.getcwd()})  # fmt: skip
+    assert proc.returncode == -9, proc.stderr[-3000:]
+    dataset = out / "positions.parquet"
+    assert len(list(dataset.glob("part-*.parquet"))) == 3
+    assert list(dataset.glob(".part-00003.parquet.tmp"))  # the shard cut short
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["status"] == "running" and len(manifest["shards"]) == 3
+    done = set(manifest["prompts_done"])
+    # Without --resume the run is refused, and nothing is touched.
+    assert cli.main(args) == 2
+    assert len(list(dataset.glob("part-*.parquet"))) == 3
+    assert cli.main(args + ["--resume"]) == 0
+    assert not list(dataset.glob(".*.tmp"))
+    assert certify_store.read_positions(out).equals(certify_store.read_positions(uninterrupted))
+    run = json.loads((out / "run.json").read_text())
+    assert run["prompts_resumed"] == len(done)  # nothing finished was recomputed
+    assert run["prompts_this_run"] == len(TEXTS) - len(done)
+    assert json.loads((out / "manifest.json").read_text())["status"] == "complete"
+    # Resuming a complete run computes nothing and rewrites the same report.
+    summary = (out / "summary.md").read_text()
+    assert cli.main(args + ["--resume"]) == 0
+    assert json.loads((out / "run.json").read_text())["prompts_this_run"] == 0
+    assert (out / "summary.md").read_text() == summary
+
+
+def test_a_failure_keeps_the_finished_shards_and_resume_completes(
+    checkpoint, many_prompts, uninterrupted, tmp_path, monkeypatch, capsys
+):
+    out = tmp_path / "run"
+    args = _args(checkpoint, many_prompts, out, "--shard-rows", "1")
+    real, calls = certify._decode_chunk, []
+
+    def failing(*a):
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("device lost")
+        return real(*a)
+
+    monkeypatch.setattr(certify, "_decode_chunk", failing)
+    with pytest.raises(RuntimeError, match="device lost"):
+        cli.main(args)
+    assert "--resume continues" in capsys.readouterr().err
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["status"] == "failed" and "device lost" in manifest["error"]
+    assert 0 < len(manifest["prompts_done"]) < len(TEXTS)
+    monkeypatch.setattr(certify, "_decode_chunk", real)
+    assert cli.main(args + ["--resume"]) == 0
+    assert certify_store.read_positions(out).equals(certify_store.read_positions(uninterrupted))
+
+
+def test_refusals_and_nothing_left_behind(
+    checkpoint, many_prompts, uninterrupted, tmp_path, capsys
+):
+    # A second run into the same folder is refused; --overwrite replaces it.
+    before = {p.name: p.stat().st_mtime_ns for p in uninterrupted.iterdir()}
+    assert cli.main(_args(checkpoint, many_prompts, uninterrupted)) == 2
+    assert "already holds a certify run; pass --resume" in capsys.readouterr().err
+    assert {p.name: p.stat().st_mtime_ns for p in uninterrupted.iterdir()} == before
+    out = tmp_path / "again"
+    assert cli.main(_args(checkpoint, many_prompts, out)) == 0
+    (out / "notes.txt").write_text("mine")
+    assert cli.main(_args(checkpoint, many_prompts, out, "--overwrite", "--steps", "2")) == 0
+    assert (out / "notes.txt").read_text() == "mine"  # only jaxcert's files are replaced
+    assert certify_store.read_positions(out)["position"].to_pylist()[:3] == [0, 1, 0]
+    # --resume with other options is refused, naming what differs.
+    assert cli.main(_args(checkpoint, many_prompts, out, "--resume", "--steps", "3")) == 2
+    assert "options differ" in capsys.readouterr().err
+    assert cli.main(_args(checkpoint, many_prompts, tmp_path / "none", "--resume")) == 2
+    assert "nothing to resume" in capsys.readouterr().err
+    # A run that fails before its first result leaves nothing behind.
+    fresh = tmp_path / "fresh"
+    assert cli.main(_args(checkpoint, many_prompts, fresh, "--steps", "600")) == 2
+    assert "the model supports 512" in capsys.readouterr().err
+    assert not fresh.exists()
