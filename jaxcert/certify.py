@@ -7,9 +7,9 @@ computes the target's statistics and the exact certificate of every rule from th
 full-vocabulary logits, then appends the greedy token -> one table per finished prompt.
 
 **Prefill without waste.** A prompt is prefilled alone, in pieces of a few fixed widths
-(:attr:`CertifyOptions.prefill_widths`, e.g. 256, 64, 16 tokens: the widest that fits, and
-the last piece padded up to the narrowest), into a one-row cache that is then copied into
-its slot. Each width compiles once; padding is below the narrowest width per prompt, and the
+(:attr:`CertifyOptions.prefill_widths`, by default 256, 128, 64, 32 and 16 tokens: the
+widest that the remaining tokens fill, the last piece padded up to the narrowest), into a
+one-row cache that is then copied into its slot. Each width compiles once; padding is below the narrowest width per prompt, and the
 lm_head runs only on the last prompt token.
 
 **Continuous batching.** When a slot's prompt ends (end of turn or ``steps``), the next
@@ -82,7 +82,7 @@ class CertifyOptions:
     top: int = 10
     chat: bool = True
     system_prompt: str | None = None
-    prefill_widths: tuple[int, ...] = (16, 64, 256)
+    prefill_widths: tuple[int, ...] = (16, 32, 64, 128, 256)
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "chunk", "top"):
