@@ -9,8 +9,8 @@ full-vocabulary logits, then appends the greedy token -> one table per finished 
 **Prefill without waste.** A prompt is prefilled alone, in pieces of a few fixed widths
 (:attr:`CertifyOptions.prefill_widths`, by default 256, 128, 64, 32 and 16 tokens: the
 widest that the remaining tokens fill, the last piece padded up to the narrowest), into a
-one-row cache that is then copied into its slot. Each width compiles once; padding is below the narrowest width per prompt, and the
-lm_head runs only on the last prompt token.
+one-row cache that is then copied into its slot. Each width compiles once; the padding is
+below the narrowest width per prompt, and the lm_head runs only on the last prompt token.
 
 **Continuous batching.** When a slot's prompt ends (end of turn or ``steps``), the next
 prompt is prefilled into that slot before the next chunk; every compiled shape stays the
@@ -397,11 +397,11 @@ class Certifier:
             info["prefill_s"] += time.perf_counter() - t0
             owner[slot] = index
             records[slot] = []
+            self._report("prefill", done, positions)
 
         for slot in range(rows):
             if queue:
                 prefill(slot)
-        self._report("prefill", done, positions)
         while any(o is not None for o in owner):
             if not first["decode"]:
                 first["decode"] = True
@@ -434,8 +434,6 @@ class Certifier:
             for slot in finished:
                 if queue:
                     prefill(slot)
-            if finished and queue:
-                self._report("prefill", done, positions)
 
     def _table(self, index: int, parts: list[dict]) -> pa.Table:
         """A finished prompt's positions (a slot records its first step: never empty)."""

@@ -1,7 +1,8 @@
 """The ``jaxcert`` command line: certify, certify-logits, decode, fetch and train-drafter.
 
-One module per command (:mod:`jaxcert.cli.certify`, :mod:`jaxcert.cli.decode`,
-:mod:`jaxcert.cli.fetch`, :mod:`jaxcert.cli.train_drafter`), each with ``add_parser(sub)``
+One module per command (:mod:`jaxcert.cli.certify`, :mod:`jaxcert.cli.certify_logits`,
+:mod:`jaxcert.cli.decode`, :mod:`jaxcert.cli.fetch`, :mod:`jaxcert.cli.train_drafter`),
+each with ``add_parser(sub)``
 and ``run(args)``; this module builds the parser and reports the commands' errors.
 """
 
