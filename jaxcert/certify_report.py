@@ -51,9 +51,14 @@ def run_lengths(
     """Mean certified run length from each position, for uniform KL budgets ``eps``.
 
     A run is the number of consecutive positions (within one prompt's continuation)
-    whose certificate exceeds ``eps`` (:func:`jaxcert.certified_run_length`).
+    whose certificate exceeds ``eps`` (:func:`jaxcert.certified_run_length`). Prompts are
+    told apart by ``prompt_index`` when the table has it (else ``prompt_id``); rows must be
+    in prompt, then position order.
     """
-    prompt = np.asarray(table.column("prompt_id").to_pylist(), dtype=object)
+    if "prompt_index" in table.column_names:
+        prompt = table.column("prompt_index").to_numpy()
+    else:
+        prompt = np.asarray(table.column("prompt_id").to_pylist(), dtype=object)
     position = table.column("position").to_numpy()
     starts = np.r_[True, (prompt[1:] != prompt[:-1]) | (np.diff(position) != 1)]
     segment = np.cumsum(starts) - 1  # consecutive positions of one prompt

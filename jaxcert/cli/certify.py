@@ -437,7 +437,9 @@ def _write_report(args, out, info, meta, rules, options, started) -> None:
 
     rule_cols = [certify.rule_column(r) for r in rules]
     stat_cols = ["top1", f"top{options.top}_coverage", "margin", "entropy"]
-    table = certify_store.read_positions(out, ["prompt_id", *stat_cols, *rule_cols])
+    # Only the numeric columns the summaries need (the rows stay on disk otherwise).
+    columns = [*stat_cols, *rule_cols] + ([] if args.no_plots else ["margin"])
+    table = certify_store.read_positions(out, columns)
     summary = certify_report.summarize_positions(table, stat_cols + rule_cols)
     runs = certify_report.run_lengths(table, rule_cols)
     _write_csv(out / "summary.csv", summary)
