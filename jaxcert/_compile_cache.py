@@ -16,8 +16,9 @@ def enable_compilation_cache(path: str | os.PathLike | None = None) -> pathlib.P
     Compiled XLA executables are stored under ``path`` (default ``<cache>/xla``, see
     ``jaxcert._paths.cache_dir``) and reused by any later process with the same program,
     shapes, JAX version and devices; every program is cached (measured: a 0.5 s threshold
-    left 2.3 s of compilation in a second certify run, none left 1.8 s). The environment variable ``JAXCERT_COMPILE_CACHE`` overrides the default
-    folder (a path), or turns the cache off (``0``).
+    left 2.3 s of compilation in a second certify run, none left 1.8 s). The environment
+    variable ``JAXCERT_COMPILE_CACHE`` overrides the default folder (a path), or turns the
+    cache off (``0``).
 
     Returns:
       The cache folder, or ``None`` when turned off by the environment.
