@@ -66,6 +66,9 @@ class CertifyOptions:
       steps: greedy continuation length per prompt, in tokens.
       batch_size: decoding slots ``B`` (prompts decoded together).
       min_prompt_tokens: prompts shorter than this (after the chat template) are skipped.
+      max_prompt_tokens: prompts longer than this are skipped (``None``: none). Every slot's
+        cache holds the longest prompt plus ``steps``, and each decoding step attends over
+        it: one very long prompt slows every row (ShareGPT's longest is 5,699 tokens).
       stop_at_eos: stop recording a prompt after it emits an end-of-turn token.
       chunk: decoding steps per jitted call (a finished slot is refilled between calls).
       top: ``k`` of the recorded top-``k`` coverage.
@@ -77,6 +80,7 @@ class CertifyOptions:
     steps: int = 128
     batch_size: int = 8
     min_prompt_tokens: int = 0
+    max_prompt_tokens: int | None = None
     stop_at_eos: bool = True
     chunk: int = 16
     top: int = 10
@@ -88,6 +92,8 @@ class CertifyOptions:
         for name in ("steps", "batch_size", "chunk", "top"):
             check_int(name, getattr(self, name))
         check_int("min_prompt_tokens", self.min_prompt_tokens, 0)
+        if self.max_prompt_tokens is not None:
+            check_int("max_prompt_tokens", self.max_prompt_tokens)
         widths = tuple(self.prefill_widths)
         if not widths:
             raise ValueError("prefill_widths must name at least one width")
@@ -259,13 +265,13 @@ class Certifier:
         self.encoded = encode_prompts(
             lm.tokenizer, prompts, chat=options.chat, system_prompt=options.system_prompt
         )
-        keep = [
-            i for i, ids in enumerate(self.encoded) if len(ids) >= max(1, options.min_prompt_tokens)
-        ]
+        low, high = max(1, options.min_prompt_tokens), options.max_prompt_tokens
+        lengths = [len(ids) for ids in self.encoded]
+        keep = [i for i, n in enumerate(lengths) if n >= low and (high is None or n <= high)]
         if not keep:
             raise ValueError(
-                f"no prompt has at least {options.min_prompt_tokens} tokens "
-                f"(lengths: {sorted(len(e) for e in self.encoded)[:10]}...)"
+                f"no prompt has between {low} and {high or 'any number of'} tokens "
+                f"(shortest: {sorted(lengths)[:5]}, longest: {sorted(lengths)[-5:]})"
             )
         self.used = len(keep)
         # Shapes from every usable prompt (not only this part's, nor the ones left to do):
@@ -299,7 +305,8 @@ class Certifier:
         self.info = {
             "prompts_given": len(prompts),
             "prompts_used": len(keep),
-            "prompts_skipped_short": len(prompts) - len(keep),
+            "prompts_skipped_short": sum(n < low for n in lengths),
+            "prompts_skipped_long": sum(high is not None and n > high for n in lengths),
             "prompts_this_run": len(self.order),
             "slots": self.slots,
             "cache_length": self.cache_length,

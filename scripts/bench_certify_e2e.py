@@ -50,6 +50,8 @@ def ratio(args) -> None:
     from jaxcert._validate import round_up
 
     prompt_set = prompts.load_prompts(args.prompts, max_prompts=args.max_prompts)
+    if args.max_prompt_tokens and not args.skip_baseline:
+        raise SystemExit("--max-prompt-tokens is for --skip-baseline runs")
     out = pathlib.Path(tempfile.mkdtemp(prefix="bench-certify-")) / "run"
     t0 = time.perf_counter()
     argv = ["certify", "--target", args.target, "--prompts", args.prompts, "--steps",
@@ -57,6 +59,8 @@ def ratio(args) -> None:
             "--no-plots"]  # fmt: skip
     if args.max_prompts:
         argv += ["--max-prompts", str(args.max_prompts)]
+    if args.max_prompt_tokens:
+        argv += ["--max-prompt-tokens", str(args.max_prompt_tokens)]
     assert cli.main(argv) == 0
     certify_s = time.perf_counter() - t0
     run = json.loads((out / "run.json").read_text())
@@ -64,6 +68,7 @@ def ratio(args) -> None:
         "mode": "certify",
         "prompts": args.prompts,
         "n_prompts": run["prompts_used"],
+        "skipped_long": run.get("prompts_skipped_long", 0),
         "steps": args.steps,
         "batch_size": args.batch_size,
         "wall_s": round(certify_s, 1),
@@ -181,6 +186,7 @@ def main() -> None:
     p.add_argument("--target", default="qwen2.5-coder-0.5b-instruct")
     p.add_argument("--prompts", default="mtbench")
     p.add_argument("--max-prompts", type=int, default=None)
+    p.add_argument("--max-prompt-tokens", type=int, default=None)
     p.add_argument("--steps", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--skip-baseline", action="store_true")

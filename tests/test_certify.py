@@ -87,7 +87,13 @@ def test_stop_at_eos_and_min_prompt_tokens(lm):
         assert not any(t in eos for t in tokens[:-1])  # nothing recorded after an end of turn
     with pytest.raises(ValueError, match="the model supports 512"):
         certify.certify_prompts(lm, prompt_set, RULES, certify.CertifyOptions(steps=600))
-    with pytest.raises(ValueError, match="no prompt has at least"):
+    options = certify.CertifyOptions(steps=2, max_prompt_tokens=cutoff)
+    table, info = certify.certify_prompts(lm, prompt_set, RULES[:1], options)
+    assert info["prompts_skipped_long"] == sum(n > cutoff for n in lengths) > 0
+    assert set(table["prompt_index"].to_pylist()) == {
+        i for i, n in enumerate(lengths) if n <= cutoff
+    }
+    with pytest.raises(ValueError, match="no prompt has between 10000 and"):
         certify.certify_prompts(
             lm, prompt_set, RULES, certify.CertifyOptions(min_prompt_tokens=10_000)
         )

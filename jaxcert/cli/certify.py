@@ -93,7 +93,14 @@ def add_parser(sub) -> None:
         default=0,
         help="skip prompts shorter than this after the chat template (default 0)",
     )
-    p.add_argument("--batch-size", type=positive, default=8, help="prompts decoded together")
+    p.add_argument(
+        "--max-prompt-tokens",
+        type=positive,
+        default=None,
+        help="skip prompts longer than this after the chat template (default: none; every "
+        "decoding step attends over the longest prompt kept)",
+    )
+    p.add_argument("--batch-size", type=positive, default=8, help="decoding slots")
     p.add_argument(
         "--ignore-eos",
         action="store_true",
@@ -183,7 +190,8 @@ def _merged_info(infos: list[dict]) -> dict:
     """One ``info`` for the whole run: counts of the first part, sums of the work, the
     slowest process's timings, and every part's own ``info`` under ``processes``."""
     first = infos[0]
-    info = {k: first[k] for k in ("prompts_given", "prompts_used", "prompts_skipped_short")}
+    keys = ("prompts_given", "prompts_used", "prompts_skipped_short", "prompts_skipped_long")
+    info = {k: first[k] for k in keys}
     for key in ("positions", "prefill_tokens", "prefill_padded_tokens", "decode_slot_steps",
                 "decode_active_steps"):  # fmt: skip
         info[key] = sum(i[key] for i in infos)
@@ -310,6 +318,7 @@ def _run(args, dist: mesh_lib.Distributed, peers: _Peers) -> int:
         steps=args.steps,
         batch_size=args.batch_size,
         min_prompt_tokens=args.min_prompt_tokens,
+        max_prompt_tokens=args.max_prompt_tokens,
         stop_at_eos=not args.ignore_eos,
         chat=not args.no_chat,
         system_prompt=args.system_prompt,

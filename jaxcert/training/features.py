@@ -79,10 +79,17 @@ def greedy_continuations(
     batch_size: int = 8,
     progress: Callable[[int, int], None] | None = None,
 ) -> Continuations:
-    """The target's greedy continuation of every prompt (up to ``steps`` tokens or EOS)."""
+    """The target's greedy continuation of every prompt (up to ``steps`` tokens or EOS).
+
+    ``progress`` is called as ``progress(prompts_done, prompts_total)``.
+    """
     options = certify.CertifyOptions(steps=steps, batch_size=batch_size)
     table, _ = certify.certify_prompts(
-        target_lm, prompt_set, (rules_lib.StrictGreedy(),), options, progress=progress
+        target_lm,
+        prompt_set,
+        (rules_lib.StrictGreedy(),),
+        options,
+        progress=None if progress is None else lambda p: progress(p.prompts_done, p.prompts_total),
     )
     encoded = prompts.encode_prompts(target_lm.tokenizer, prompt_set)
     rows = table.select(["prompt_id", "token"]).to_pydict()
