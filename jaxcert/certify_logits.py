@@ -77,13 +77,14 @@ def _dense_stats(x):
     return st.greedy_token, st.top1, st.top_coverage, st.margin, st.entropy
 
 
-def certify_dense(logits, rules: Sequence) -> dict[str, np.ndarray]:
+def certify_dense(logits, rules: Sequence, *, first_row: int = 0) -> dict[str, np.ndarray]:
     """Exact certificates and statistics of dense logits (one chunk).
 
     Args:
       logits: ``[N, V]`` float32/bfloat16/float16 logits (or log-probabilities) of the
         target ``p``; ``-inf`` is a zero-probability token.
       rules: the rules.
+      first_row: the index of the chunk's first row in the whole input (for error messages).
 
     Returns:
       Columns ``token`` (``x0``), ``top1``, ``top10_coverage``, ``margin``, ``entropy``
@@ -97,12 +98,14 @@ def certify_dense(logits, rules: Sequence) -> dict[str, np.ndarray]:
     x = jnp.asarray(logits)
     if x.ndim != 2 or not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"dense logits must be floating [N, V], got {x.shape} {x.dtype}")
+    if x.shape[0] == 0 or x.shape[1] < 2:
+        raise ValueError(f"dense logits need N >= 1 rows and V >= 2 tokens, got {x.shape}")
     certs = solver.certificates(x, tuple(rules))
     token, top1, cover, margin, entropy = jax.device_get(_dense_stats(x))
     valid = np.asarray(certs[0].valid)
     if not valid.all():
-        bad = np.flatnonzero(~valid)[:5].tolist()
-        raise ValueError(f"rows {bad} of this chunk hold NaN or +inf logits, or no finite logit")
+        bad = (np.flatnonzero(~valid)[:5] + first_row).tolist()
+        raise ValueError(f"rows {bad} hold NaN or +inf logits, or no finite logit")
     out = {"token": token.astype(np.int32), "top1": top1, "top10_coverage": cover,
            "margin": margin, "entropy": entropy}  # fmt: skip
     for rule, cert in zip(rules, certs, strict=True):
@@ -127,7 +130,7 @@ def _open_dense(path: pathlib.Path, tensor: str | None):
     if path.suffix == ".npy":
         try:
             array = np.load(path, mmap_mode="r")
-        except ValueError as err:
+        except (ValueError, EOFError, OSError) as err:
             raise ValueError(f"{path}: not a readable .npy array ({err})") from None
         if array.dtype == np.dtype("V2"):  # ml_dtypes.bfloat16 saved by np.save
             import ml_dtypes
@@ -174,6 +177,8 @@ def iter_dense_file(
     array, shape = _open_dense(path, tensor)
     if len(shape) not in (2, 3) or shape[-1] < 2:
         raise ValueError(f"{path}: logits must be [N, V] or [B, T, V] with V >= 2, got {shape}")
+    if 0 in shape:
+        raise ValueError(f"{path}: no positions (shape {shape})")
     if len(shape) == 2:
         for start in range(0, shape[0], chunk_rows):
             stop = min(shape[0], start + chunk_rows)
@@ -266,14 +271,23 @@ def certify_top_logprobs(
     k = np.sum(np.isfinite(x), -1)
     if x.shape[0] and k.min() < 1:
         raise ValueError(f"row {int(np.argmin(k))} has no log-probability")
+    if vocab_size is not None:
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, (int, np.integer)):
+            raise ValueError(f"vocab_size must be an integer, got {vocab_size!r}")
+        if x.shape[0] and not int(k.max()) <= vocab_size < 2**31:
+            raise ValueError(
+                f"vocab_size={vocab_size} is below the {int(k.max())} log-probabilities of a "
+                "row (or above 2**31)"
+            )
+    raw = np.exp(x)
+    x = np.minimum(x, 0.0)
     p = np.exp(x)
-    bad = (x[:, 0] > _LOGPROB_TOLERANCE) | (p.sum(-1) > 1 + _LOGPROB_TOLERANCE)
+    bad = (raw[:, 0] > np.exp(_LOGPROB_TOLERANCE)) | (raw.sum(-1) > 1 + _LOGPROB_TOLERANCE)
     if bad.any():
         raise ValueError(
             f"row {int(np.flatnonzero(bad)[0])}: these are not log-probabilities (a value "
             "above 0 or a total probability above 1); pass the engine's logprobs, not logits"
         )
-    x = np.minimum(x, 0.0)
     h_lo, h_hi = entropy_bounds(p, vocab_size)
     vocab = vocab_size if vocab_size is not None else 2**30
     window = x.shape[1]
@@ -403,7 +417,15 @@ def read_logprob_records(path: str | os.PathLike) -> tuple[dict[str, np.ndarray]
         raise ValueError(f"records file not found: {path}")
     text = path.read_text(encoding="utf-8")
     stripped = text.lstrip()
-    if stripped.startswith("["):
+    whole = None
+    if stripped.startswith(("[", "{")):
+        try:
+            whole = json.loads(text)  # one (possibly pretty-printed) document
+        except json.JSONDecodeError:
+            whole = None  # JSON Lines (or broken): read line by line below
+    if isinstance(whole, dict):
+        lines = [(0, whole)]
+    elif stripped.startswith("["):
         try:
             documents = json.loads(text)
         except json.JSONDecodeError as err:

@@ -171,10 +171,18 @@ class ShardWriter:
         self._created = False
         if self.out.exists() and not self.out.is_dir():
             raise ValueError(f"--out {self.out} is a file, not a folder")
+        if self.dataset.exists() and not self.dataset.is_dir():
+            raise ValueError(f"{self.dataset} is a file, not a certify dataset; move it away")
         held = self._holds_run()
+        # With overwrite, the previous run is removed only when this one writes its first
+        # shard: a run that fails before that leaves the previous one intact.
+        self._replace = False
         if resume:
-            if not held:
-                raise ValueError(f"nothing to resume in {self.out}: no {MANIFEST} or {DATASET}")
+            if not self.manifest_path.exists():
+                raise ValueError(
+                    f"nothing to resume in {self.out}: no {MANIFEST} (without it the settings "
+                    "of the shards cannot be checked); use --overwrite"
+                )
             self._load_for_resume()
         elif held:
             if not overwrite:
@@ -182,7 +190,7 @@ class ShardWriter:
                     f"{self.out} already holds a certify run; pass --resume to continue it "
                     "or --overwrite to replace it (or choose another --out)"
                 )
-            self._remove_run()
+            self._replace = True
 
     # -- set-up -----------------------------------------------------------------------------
 
@@ -198,16 +206,28 @@ class ShardWriter:
         if self.manifest_path.exists():
             try:
                 manifest = json.loads(self.manifest_path.read_text())
-            except json.JSONDecodeError as err:
+            except (json.JSONDecodeError, UnicodeDecodeError) as err:
                 raise ValueError(
                     f"{self.manifest_path} is corrupt ({err}); use --overwrite"
                 ) from None
+            if not isinstance(manifest, dict) or not isinstance(manifest.get("fingerprint"), dict):
+                raise ValueError(
+                    f"{self.manifest_path} is corrupt (no fingerprint); use --overwrite"
+                )
             if manifest.get("fingerprint") != self.fingerprint:
+                old = manifest["fingerprint"]
                 diff = sorted(
                     k
-                    for k in set(self.fingerprint) | set(manifest.get("fingerprint", {}))
-                    if self.fingerprint.get(k) != manifest.get("fingerprint", {}).get(k)
+                    for k in set(self.fingerprint) | set(old)
+                    if self.fingerprint.get(k) != old.get(k)
                 )
+                if "options" in diff and isinstance(old.get("options"), dict):
+                    mine = self.fingerprint.get("options", {})
+                    diff += [
+                        f"options.{k}"
+                        for k in sorted(set(mine) | set(old["options"]))
+                        if mine.get(k) != old["options"].get(k)
+                    ]
                 raise ValueError(
                     f"cannot resume {self.out}: it was run with other settings "
                     f"({', '.join(diff)} differ); rerun with the same options, or --overwrite"
@@ -251,8 +271,13 @@ class ShardWriter:
         if not self._buffer:
             return
         table = pa.concat_tables(self._buffer)
+        if self._replace:
+            self._remove_run()
+            self._replace = False
+        if not self._created:  # the fingerprint is on disk before the first shard
+            self._created = True
+            self.write_manifest("running")
         self.dataset.mkdir(parents=True, exist_ok=True)
-        self._created = True
         index = 1 + max((_shard_index(s["file"]) for s in self.shards), default=-1)
         final = self.dataset / f"part-{index:05d}.parquet"
         tmp = self.dataset / f".{final.name}.tmp"

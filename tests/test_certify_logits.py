@@ -7,6 +7,7 @@ import json
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import safetensors.numpy
@@ -240,3 +241,38 @@ def test_a_real_engine_transformers_gives_the_certificates_of_jaxcert_certify(ti
                                            err_msg=where)  # fmt: skip
                 compared += 1
         assert compared > 0.8 * len(seq) * len(RULES), name
+
+
+def test_more_bad_inputs_are_named(tmp_path, capsys):
+    top = np.log(np.array([[0.6, 0.3, 0.05]]))
+    for bad in (0, -5, 2, 2.5, True):
+        with pytest.raises(ValueError, match="vocab_size"):
+            certify_logits.certify_top_logprobs(top, RULES, vocab_size=bad)
+    got = certify_logits.certify_top_logprobs(np.array([[5e-4, -9.0]]), RULES)
+    assert got["top1"][0] == 1.0  # within the tolerance above 0: clipped, not 1.0005
+    with pytest.raises(ValueError, match="N >= 1 rows"):
+        certify_logits.certify_dense(np.zeros((0, 5), np.float32), RULES)
+    np.save(tmp_path / "empty.npy", np.zeros((0, 10), np.float32))
+    (tmp_path / "zero.npy").write_bytes(b"")
+    for name, message in (("empty.npy", "no positions"), ("zero.npy", "not a readable")):
+        with pytest.raises(ValueError, match=message):
+            list(certify_logits.iter_dense_file(tmp_path / name))
+    # A pretty-printed single response is one document, not JSON Lines.
+    (tmp_path / "pretty.json").write_text(json.dumps(_chat_record(top), indent=2))
+    index, logprobs = certify_logits.read_logprob_records(tmp_path / "pretty.json")
+    assert index["position"].tolist() == [0] and np.allclose(logprobs, top)
+    # Rows are named by their index in the file, not in the chunk.
+    x = np.zeros((10, 4), np.float32)
+    x[7, 1] = np.nan
+    np.save(tmp_path / "nan.npy", x)
+    rc = cli.main(["certify-logits", str(tmp_path / "nan.npy"), "--chunk-rows", "3",
+                   "--out", str(tmp_path / "o")])  # fmt: skip
+    assert rc == 2 and "rows [7] hold NaN" in capsys.readouterr().err
+
+
+def test_summary_percentiles_of_infinite_columns_are_infinite():
+    from jaxcert import certify_report
+
+    table = pa.table({"c": [np.inf] * 19 + [0.5]})
+    (row,) = certify_report.summarize_positions(table, ["c"])  # numpy alone gives p5 = nan
+    assert row["p5"] == np.inf and row["median"] == np.inf and row["inf_share"] == 0.95

@@ -146,7 +146,7 @@ def test_refusals_and_nothing_left_behind(
     assert certify_store.read_positions(out)["position"].to_pylist()[:3] == [0, 1, 0]
     # --resume with other options is refused, naming what differs.
     assert cli.main(_args(checkpoint, many_prompts, out, "--resume", "--steps", "3")) == 2
-    assert "options differ" in capsys.readouterr().err
+    assert "options.steps differ" in capsys.readouterr().err
     assert cli.main(_args(checkpoint, many_prompts, tmp_path / "none", "--resume")) == 2
     assert "nothing to resume" in capsys.readouterr().err
     # A run that fails before its first result leaves nothing behind.
@@ -154,3 +154,37 @@ def test_refusals_and_nothing_left_behind(
     assert cli.main(_args(checkpoint, many_prompts, fresh, "--steps", "600")) == 2
     assert "the model supports 512" in capsys.readouterr().err
     assert not fresh.exists()
+
+
+def test_a_failed_overwrite_keeps_the_previous_run_and_bad_manifests_are_named(
+    checkpoint, many_prompts, uninterrupted, tmp_path, capsys
+):
+    import shutil
+
+    out = tmp_path / "copy"
+    shutil.copytree(uninterrupted, out)
+    want = certify_store.read_positions(out)
+    # The new run fails before its first shard: the previous run stays whole.
+    assert cli.main(_args(checkpoint, many_prompts, out, "--overwrite", "--max-prompt-tokens",
+                          "1")) == 2  # fmt: skip
+    assert "no prompt has between 1 and 1 tokens" in capsys.readouterr().err
+    assert certify_store.read_positions(out).equals(want)
+    assert (out / "summary.md").exists()
+    # Without a manifest the shards' settings cannot be checked: no resume.
+    manifest = (out / "manifest.json").read_text()
+    (out / "manifest.json").unlink()
+    assert cli.main(_args(checkpoint, many_prompts, out, "--resume")) == 2
+    assert "no manifest.json" in capsys.readouterr().err
+    for text in ("[]", '{"fingerprint": 5}', "{trunc"):
+        (out / "manifest.json").write_text(text)
+        assert cli.main(_args(checkpoint, many_prompts, out, "--resume")) == 2
+        assert "manifest.json is corrupt" in capsys.readouterr().err
+    (out / "manifest.json").write_text(manifest)
+    assert cli.main(_args(checkpoint, many_prompts, out, "--resume", "--steps", "3")) == 2
+    assert "options.steps" in capsys.readouterr().err
+    # A stray file where the dataset goes is named before any work.
+    stray = tmp_path / "stray"
+    stray.mkdir()
+    (stray / "positions.parquet").write_text("hi")
+    assert cli.main(_args(checkpoint, many_prompts, stray, "--overwrite")) == 2
+    assert "is a file, not a certify dataset" in capsys.readouterr().err

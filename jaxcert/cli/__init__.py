@@ -45,3 +45,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, AssetError) as err:  # OSError: unwritable --out, ...
         print(f"jaxcert {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # what was finished is saved (the commands say where)
+        print(f"jaxcert {args.command}: interrupted", file=sys.stderr)
+        return 130

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import pathlib
 import sys
 import textwrap
@@ -257,6 +258,14 @@ def _check_out(out: pathlib.Path, resume: bool, overwrite: bool) -> None:
 
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file, not a folder")
+    # The nearest existing folder must be writable: fail now, not after hours of work.
+    parent = out.absolute()
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out}: {parent} is not a writable folder")
+    if (out / certify_store.DATASET).exists() and not (out / certify_store.DATASET).is_dir():
+        raise ValueError(f"{out / certify_store.DATASET} is a file, not a certify dataset")
     held = (out / certify_store.MANIFEST).exists() or (out / certify_store.DATASET).exists()
     if held and not (resume or overwrite):
         raise certify_store.OutputExists(
@@ -464,11 +473,14 @@ def _write_report(args, out, info, meta, rules, options, started) -> None:
     if not args.no_plots:
         certify_report.plot_report(table, rule_cols, out)
     meta.update(info, status="ok", total_s=round(time.perf_counter() - started, 1))
+    meta["positions_this_run"] = info.get("positions", 0)
+    meta["positions"] = table.num_rows  # the whole dataset, resumed prompts included
     (out / "run.json").write_text(json.dumps(meta, indent=2, default=str))
     print(text)
     print(
-        f"[jaxcert] prefill padding {1 - info.get('prefill_tokens', 0) / max(padded, 1):.1%}, "
-        f"compile {info.get('compile_s', 0):.1f} s, prefill {info.get('prefill_s', 0):.1f} s, "
+        "[jaxcert] prefill padding "
+        + (f"{1 - info.get('prefill_tokens', 0) / padded:.1%}, " if padded else "n/a, ")
+        + f"compile {info.get('compile_s', 0):.1f} s, prefill {info.get('prefill_s', 0):.1f} s, "
         f"decode {info.get('decode_s', 0):.1f} s",
         file=sys.stderr,
     )

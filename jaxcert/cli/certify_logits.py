@@ -92,7 +92,7 @@ def run(args) -> int:
             )
             bar = tqdm(unit="pos", desc="certify-logits", file=sys.stderr, dynamic_ncols=True)
             for index, logits in chunks:
-                columns = certify_logits.certify_dense(logits, rules)
+                columns = certify_logits.certify_dense(logits, rules, first_row=rows)
                 chunk = pa.table({**index, **columns})
                 if writer is None:
                     out.mkdir(parents=True, exist_ok=True)
