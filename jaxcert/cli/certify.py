@@ -277,16 +277,20 @@ def _check_out(out: pathlib.Path, resume: bool, overwrite: bool) -> None:
 
 
 class _Display:
-    """The run's one progress bar: prompts done, positions/s, stage and ETA."""
+    """The run's one progress bar: prompts done, positions/s, stage and ETA (created at the
+    first report, so a run that fails or has nothing to do shows no empty bar)."""
 
     def __init__(self, desc: str):
-        from tqdm import tqdm
-
-        self.bar = tqdm(total=0, unit="prompt", desc=desc, file=sys.stderr, dynamic_ncols=True)
+        self.bar = None
         self.desc = desc
         self.started: float | None = None
 
     def __call__(self, p) -> None:
+        from tqdm import tqdm
+
+        if self.bar is None:
+            self.bar = tqdm(total=p.prompts_total, unit="prompt", desc=self.desc,
+                            file=sys.stderr, dynamic_ncols=True)  # fmt: skip
         now = time.perf_counter()
         if self.started is None and p.stage != "compile":
             self.started = now
@@ -299,7 +303,8 @@ class _Display:
         self.bar.refresh()
 
     def close(self) -> None:
-        self.bar.close()
+        if self.bar is not None:
+            self.bar.close()
 
 
 def _prompts_digest(prompt_set) -> str:
