@@ -44,6 +44,7 @@ from jaxcert import mesh as mesh_lib
 from jaxcert import models
 from jaxcert import stats as stats_lib
 from jaxcert._validate import check_int, round_up
+from jaxcert.certify_report import rule_column
 from jaxcert.prompts import Prompt, encode_prompts
 from jaxcert.solver import certificates
 
@@ -119,11 +120,6 @@ def prefill_pieces(length: int, widths: Sequence[int]) -> list[tuple[int, int]]:
         pieces.append((width, min(width, left)))
         left -= width
     return pieces
-
-
-def rule_column(rule) -> str:
-    """Column name of a rule's certificate, e.g. ``cert_tree:4``."""
-    return f"cert_{rule.spec}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,7 +269,6 @@ class Certifier:
                 f"no prompt has between {low} and {high or 'any number of'} tokens "
                 f"(shortest: {sorted(lengths)[:5]}, longest: {sorted(lengths)[-5:]})"
             )
-        self.used = len(keep)
         # Shapes from every usable prompt (not only this part's, nor the ones left to do):
         # each row then has the same numbers in any part, resumed or not.
         longest = max(len(self.encoded[i]) for i in keep)
@@ -301,7 +296,6 @@ class Certifier:
             order.sort()
         skip = set(skip)
         self.order = [i for i in order if i not in skip]
-        self.part = part
         self.info = {
             "prompts_given": len(prompts),
             "prompts_used": len(keep),
@@ -445,22 +439,6 @@ class Certifier:
             **columns,
         }
         return pa.table(out)
-
-    def column_names(self) -> list[str]:
-        """The output columns, in order."""
-        return [
-            "prompt_index",
-            "prompt_id",
-            "category",
-            "prompt_tokens",
-            "position",
-            "token",
-            "top1",
-            f"top{self.options.top}_coverage",
-            "margin",
-            "entropy",
-            *(rule_column(r) for r in self.rules),
-        ]
 
 
 def _columns(st, values, at, slot, keep, rules, options) -> dict:

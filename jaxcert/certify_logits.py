@@ -45,15 +45,16 @@ from collections.abc import Iterator, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pyarrow as pa
 
 from jaxcert import rules as rules_lib
 from jaxcert import solver
 from jaxcert import stats as stats_lib
+from jaxcert.certify_report import rule_column
 
 __all__ = [
     "certify_dense",
     "certify_top_logprobs",
+    "determined_column",
     "entropy_bounds",
     "iter_dense_file",
     "read_logprob_records",
@@ -63,8 +64,10 @@ __all__ = [
 _LOGPROB_TOLERANCE = 1e-3  # log-probabilities may exceed 0 by float rounding of engines
 
 
-def _rule_columns(rules) -> list[str]:
-    return [f"cert_{r.spec}" for r in rules]
+def determined_column(rule) -> str:
+    """Column name of whether a record's certificate is determined, e.g.
+    ``determined_tree:4``."""
+    return f"determined_{rule.spec}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -109,7 +112,7 @@ def certify_dense(logits, rules: Sequence, *, first_row: int = 0) -> dict[str, n
     out = {"token": token.astype(np.int32), "top1": top1, "top10_coverage": cover,
            "margin": margin, "entropy": entropy}  # fmt: skip
     for rule, cert in zip(rules, certs, strict=True):
-        out[f"cert_{rule.spec}"] = np.asarray(cert.value)
+        out[rule_column(rule)] = np.asarray(cert.value)
     return out
 
 
@@ -341,8 +344,8 @@ def certify_top_logprobs(
         value = np.asarray(solver._finish(prep, sol, False, None).value, np.float64)
         if rule.static_upper_size is None:
             value = np.where(everything, np.inf, value)
-        out[f"cert_{rule.spec}"] = np.where(determined, value, np.nan)
-        out[f"determined_{rule.spec}"] = np.asarray(determined, bool)
+        out[rule_column(rule)] = np.where(determined, value, np.nan)
+        out[determined_column(rule)] = np.asarray(determined, bool)
     return out
 
 
@@ -463,8 +466,3 @@ def read_logprob_records(path: str | os.PathLike) -> tuple[dict[str, np.ndarray]
         "position": np.asarray(index["position"], np.int32),
     }
     return columns, logprobs
-
-
-def table(index: dict, columns: dict) -> pa.Table:
-    """One Arrow table from index and value columns."""
-    return pa.table({**index, **columns})

@@ -11,9 +11,15 @@ import pyarrow as pa
 
 from jaxcert import bounds
 
-__all__ = ["summarize_positions", "run_lengths", "markdown_table", "plot_report"]
+__all__ = ["rule_column", "summarize_positions", "run_lengths", "markdown_table", "plot_report"]
 
 RUN_BUDGETS = (0.01, 0.05, 0.1, 0.3)
+
+
+def rule_column(rule) -> str:
+    """Column name of a rule's certificate, e.g. ``cert_tree:4`` (also
+    ``jaxcert.certify.rule_column``)."""
+    return f"cert_{rule.spec}"
 
 
 def _percentile(values: np.ndarray, q: float) -> float:

@@ -33,7 +33,7 @@ import os
 import pathlib
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -41,6 +41,7 @@ import pyarrow.parquet as pq
 __all__ = [
     "OutputExists",
     "ShardWriter",
+    "check_output",
     "fingerprint_path",
     "read_positions",
     "MANIFEST",
@@ -94,10 +95,15 @@ def _jsonable(value):
     return json.loads(json.dumps(value, default=str))
 
 
-def _write_atomic(path: pathlib.Path, data: bytes) -> None:
+def _write_atomic(path: pathlib.Path, data: bytes | Callable) -> None:
+    """Writes ``data`` (bytes, or a function writing to a binary file) to a hidden
+    temporary file beside ``path``, flushes it to disk and renames it to ``path``."""
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as f:
-        f.write(data)
+        if callable(data):
+            data(f)
+        else:
+            f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -108,6 +114,45 @@ def _shard_index(name: str) -> int | None:
         digits = name[len("part-") : -len(".parquet")]
         return int(digits) if digits.isdigit() else None
     return None
+
+
+def check_output(out: str | os.PathLike, *, resume: bool, overwrite: bool) -> bool:
+    """Checks that ``out`` may receive a run, before any work is done.
+
+    Returns:
+      Whether ``out`` already holds a run (manifest or dataset).
+
+    Raises:
+      OutputExists: ``out`` holds a run and neither ``resume`` nor ``overwrite`` is set.
+      ValueError: both flags; ``out`` or its dataset is a file; the nearest existing folder
+        is not writable; ``resume`` without a manifest (the shards' settings could not be
+        checked).
+    """
+    if resume and overwrite:
+        raise ValueError("--resume and --overwrite exclude each other")
+    out = pathlib.Path(out)
+    dataset, manifest = out / DATASET, out / MANIFEST
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file, not a folder")
+    parent = out.absolute()  # fail now, not after hours of work
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out}: {parent} is not a writable folder")
+    if dataset.exists() and not dataset.is_dir():
+        raise ValueError(f"{dataset} is a file, not a certify dataset; move it away")
+    held = manifest.exists() or dataset.exists()
+    if resume and not manifest.exists():
+        raise ValueError(
+            f"nothing to resume in {out}: no {MANIFEST} (without it the settings of the "
+            "shards cannot be checked); use --overwrite"
+        )
+    if held and not (resume or overwrite):
+        raise OutputExists(
+            f"{out} already holds a certify run; pass --resume to continue it or "
+            "--overwrite to replace it (or choose another --out)"
+        )
+    return held
 
 
 def read_positions(out: str | os.PathLike, columns: list[str] | None = None) -> pa.Table:
@@ -139,12 +184,10 @@ class ShardWriter:
       overwrite: remove a previous run's jaxcert files from ``out`` first.
       shard_rows: a shard is written once this many rows are buffered ...
       shard_seconds: ... or this many seconds after the last shard (bounds what a kill loses).
-      shard_prefix: file name prefix of this writer's shards (several processes).
 
     Raises:
-      OutputExists: ``out`` holds a run and neither ``resume`` nor ``overwrite`` is set.
-      ValueError: ``resume`` with a different fingerprint or without a run to resume; both
-        flags; ``out`` is a file.
+      OutputExists, ValueError: as :func:`check_output`; also ``resume`` with a different
+        fingerprint, a corrupt manifest or an unreadable shard.
     """
 
     def __init__(
@@ -157,8 +200,7 @@ class ShardWriter:
         shard_rows: int = 65_536,
         shard_seconds: float = 60.0,
     ):
-        if resume and overwrite:
-            raise ValueError("--resume and --overwrite exclude each other")
+        held = check_output(out, resume=resume, overwrite=overwrite)
         self.out = pathlib.Path(out)
         self.dataset = self.out / DATASET
         self.manifest_path = self.out / MANIFEST
@@ -169,33 +211,13 @@ class ShardWriter:
         self._rows = 0
         self._last = time.monotonic()
         self._created = False
-        if self.out.exists() and not self.out.is_dir():
-            raise ValueError(f"--out {self.out} is a file, not a folder")
-        if self.dataset.exists() and not self.dataset.is_dir():
-            raise ValueError(f"{self.dataset} is a file, not a certify dataset; move it away")
-        held = self._holds_run()
         # With overwrite, the previous run is removed only when this one writes its first
         # shard: a run that fails before that leaves the previous one intact.
-        self._replace = False
+        self._replace = held and overwrite
         if resume:
-            if not self.manifest_path.exists():
-                raise ValueError(
-                    f"nothing to resume in {self.out}: no {MANIFEST} (without it the settings "
-                    "of the shards cannot be checked); use --overwrite"
-                )
             self._load_for_resume()
-        elif held:
-            if not overwrite:
-                raise OutputExists(
-                    f"{self.out} already holds a certify run; pass --resume to continue it "
-                    "or --overwrite to replace it (or choose another --out)"
-                )
-            self._replace = True
 
     # -- set-up -----------------------------------------------------------------------------
-
-    def _holds_run(self) -> bool:
-        return self.manifest_path.exists() or self.dataset.exists()
 
     def _remove_run(self) -> None:
         shutil.rmtree(self.dataset, ignore_errors=True)
@@ -203,35 +225,28 @@ class ShardWriter:
             (self.out / name).unlink(missing_ok=True)
 
     def _load_for_resume(self) -> None:
-        if self.manifest_path.exists():
-            try:
-                manifest = json.loads(self.manifest_path.read_text())
-            except (json.JSONDecodeError, UnicodeDecodeError) as err:
-                raise ValueError(
-                    f"{self.manifest_path} is corrupt ({err}); use --overwrite"
-                ) from None
-            if not isinstance(manifest, dict) or not isinstance(manifest.get("fingerprint"), dict):
-                raise ValueError(
-                    f"{self.manifest_path} is corrupt (no fingerprint); use --overwrite"
-                )
-            if manifest.get("fingerprint") != self.fingerprint:
-                old = manifest["fingerprint"]
-                diff = sorted(
-                    k
-                    for k in set(self.fingerprint) | set(old)
-                    if self.fingerprint.get(k) != old.get(k)
-                )
-                if "options" in diff and isinstance(old.get("options"), dict):
-                    mine = self.fingerprint.get("options", {})
-                    diff += [
-                        f"options.{k}"
-                        for k in sorted(set(mine) | set(old["options"]))
-                        if mine.get(k) != old["options"].get(k)
-                    ]
-                raise ValueError(
-                    f"cannot resume {self.out}: it was run with other settings "
-                    f"({', '.join(diff)} differ); rerun with the same options, or --overwrite"
-                )
+        try:
+            manifest = json.loads(self.manifest_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"{self.manifest_path} is corrupt ({err}); use --overwrite") from None
+        if not isinstance(manifest, dict) or not isinstance(manifest.get("fingerprint"), dict):
+            raise ValueError(f"{self.manifest_path} is corrupt (no fingerprint); use --overwrite")
+        if manifest.get("fingerprint") != self.fingerprint:
+            old = manifest["fingerprint"]
+            diff = sorted(
+                k for k in set(self.fingerprint) | set(old) if self.fingerprint.get(k) != old.get(k)
+            )
+            if "options" in diff and isinstance(old.get("options"), dict):
+                mine = self.fingerprint.get("options", {})
+                diff += [
+                    f"options.{k}"
+                    for k in sorted(set(mine) | set(old["options"]))
+                    if mine.get(k) != old["options"].get(k)
+                ]
+            raise ValueError(
+                f"cannot resume {self.out}: it was run with other settings "
+                f"({', '.join(diff)} differ); rerun with the same options, or --overwrite"
+            )
         self._created = True
         if not self.dataset.is_dir():
             return
@@ -277,17 +292,8 @@ class ShardWriter:
         if not self._created:  # the fingerprint is on disk before the first shard
             self._created = True
             self.write_manifest("running")
-        self.dataset.mkdir(parents=True, exist_ok=True)
         index = 1 + max((_shard_index(s["file"]) for s in self.shards), default=-1)
-        final = self.dataset / f"part-{index:05d}.parquet"
-        tmp = self.dataset / f".{final.name}.tmp"
-        with open(tmp, "wb") as f:
-            pq.write_table(table, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-        prompts = sorted({int(i) for i in table.column("prompt_index").to_pylist()})
-        self.shards.append({"file": final.name, "rows": table.num_rows, "prompts": prompts})
+        self._write_shard(table, f"part-{index:05d}.parquet")
         self._buffer, self._rows = [], 0
         self._last = time.monotonic()
         self.write_manifest("running")
@@ -310,11 +316,13 @@ class ShardWriter:
 
     def add_shard(self, table: pa.Table, name: str) -> None:
         """Adds a shard made elsewhere (another process's part) as ``name``, atomically."""
-        self.dataset.mkdir(parents=True, exist_ok=True)
         self._created = True
-        sink = pa.BufferOutputStream()
-        pq.write_table(table, sink)
-        _write_atomic(self.dataset / name, sink.getvalue().to_pybytes())
+        self._write_shard(table, name)
+
+    def _write_shard(self, table: pa.Table, name: str) -> None:
+        """``table`` as ``name`` in the dataset (hidden temporary file, fsync, rename)."""
+        self.dataset.mkdir(parents=True, exist_ok=True)
+        _write_atomic(self.dataset / name, lambda f: pq.write_table(table, f))
         prompts = sorted({int(i) for i in table.column("prompt_index").to_pylist()})
         self.shards.append({"file": name, "rows": table.num_rows, "prompts": prompts})
 

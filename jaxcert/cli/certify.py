@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import os
 import pathlib
 import sys
 import textwrap
@@ -252,30 +251,6 @@ def run(args) -> int:
         raise
 
 
-def _check_out(out: pathlib.Path, resume: bool, overwrite: bool) -> None:
-    """Fails fast (before loading anything) on an --out that would be overwritten."""
-    from jaxcert import certify_store
-
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} is a file, not a folder")
-    # The nearest existing folder must be writable: fail now, not after hours of work.
-    parent = out.absolute()
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"--out {out}: {parent} is not a writable folder")
-    if (out / certify_store.DATASET).exists() and not (out / certify_store.DATASET).is_dir():
-        raise ValueError(f"{out / certify_store.DATASET} is a file, not a certify dataset")
-    held = (out / certify_store.MANIFEST).exists() or (out / certify_store.DATASET).exists()
-    if held and not (resume or overwrite):
-        raise certify_store.OutputExists(
-            f"{out} already holds a certify run; pass --resume to continue it or "
-            "--overwrite to replace it (or choose another --out)"
-        )
-    if resume and not held:
-        raise ValueError(f"nothing to resume in {out}: no certify run there")
-
-
 class _Display:
     """The run's one progress bar: prompts done, positions/s, stage and ETA (created at the
     first report, so a run that fails or has nothing to do shows no empty bar)."""
@@ -342,8 +317,8 @@ def _run(args, dist: mesh_lib.Distributed, peers: _Peers) -> int:
     device_mesh = mesh_lib.make_mesh(args.mesh)
     mesh = device_mesh if device_mesh.size > 1 else None  # one device: no placement at all
     out = args.out
-    if dist.is_main:
-        _check_out(out, args.resume, args.overwrite)
+    if dist.is_main:  # before loading anything
+        certify_store.check_output(out, resume=args.resume, overwrite=args.overwrite)
     started = time.perf_counter()
     compile_cache = jaxcert.enable_compilation_cache()
     prompt_set = prompts.load_prompts(args.prompts, turn=args.turn, max_prompts=args.max_prompts)
@@ -399,8 +374,7 @@ def _run(args, dist: mesh_lib.Distributed, peers: _Peers) -> int:
     resumed = len(writer.done_prompts)
     if resumed:
         print(
-            f"{tag} resuming: {len(writer.done_prompts)} prompts ({writer.rows_written} "
-            f"positions) already in {out}",
+            f"{tag} resuming: {resumed} prompts ({writer.rows_written} positions) already in {out}",
             file=sys.stderr,
         )
     desc = f"certify {dist.process_index + 1}/{dist.process_count}" if multi else "certify"
@@ -461,8 +435,7 @@ def _write_report(args, out, info, meta, rules, options, started) -> None:
     rule_cols = [certify.rule_column(r) for r in rules]
     stat_cols = ["top1", f"top{options.top}_coverage", "margin", "entropy"]
     # Only the numeric columns the summaries need (the rows stay on disk otherwise).
-    columns = [*stat_cols, *rule_cols] + ([] if args.no_plots else ["margin"])
-    table = certify_store.read_positions(out, columns)
+    table = certify_store.read_positions(out, [*stat_cols, *rule_cols])
     summary = certify_report.summarize_positions(table, stat_cols + rule_cols)
     runs = certify_report.run_lengths(table, rule_cols)
     _write_csv(out / "summary.csv", summary)

@@ -80,7 +80,7 @@ def run(args) -> int:
     if target.exists() and not args.overwrite:
         raise ValueError(f"{target} exists; pass --overwrite to replace it or choose another --out")
     started = time.perf_counter()
-    rule_cols = [f"cert_{r.spec}" for r in rules]
+    rule_cols = [certify_report.rule_column(r) for r in rules]
     dense = args.input.suffix in (".npy", ".safetensors")
     tmp = out / f".certificates.parquet.tmp-{os.getpid()}"
     writer = None
@@ -125,12 +125,11 @@ def run(args) -> int:
     summary = certify_report.summarize_positions(table, rule_cols)
     text = f"## Positions: {table.num_rows} ({args.input.name})\n\n"
     if not dense:
-        shares = {c: float(np.mean(table[f"determined_{c[5:]}"].to_numpy())) for c in rule_cols}
-        text += (
-            "Determined by the top-K window (share of positions): "
-            + ", ".join(f"{c[5:]} {v:.1%}" for c, v in shares.items())
-            + "\n\n"
-        )
+        shares = [
+            f"{r.spec} {np.mean(table[certify_logits.determined_column(r)].to_numpy()):.1%}"
+            for r in rules
+        ]
+        text += f"Determined by the top-K window (share of positions): {', '.join(shares)}\n\n"
         text += "Statistics over the determined positions:\n\n"
     text += certify_report.markdown_table(summary) + "\n"
     (out / "summary.md").write_text(text)
