@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 
@@ -56,6 +57,30 @@ def compute_dtype(*dtypes) -> jnp.dtype:
     if any(jnp.dtype(d) == jnp.float64 for d in dtypes):
         return jnp.dtype(jnp.float64)
     return jnp.dtype(jnp.float32)
+
+
+def host_logits(x):
+    """Logits from the host, re-centred in float64 before JAX may round them to float32.
+
+    A concrete NumPy array or Python sequence of float64 logits is converted to float32 by
+    JAX when ``jax_enable_x64`` is off; at ``|x| = 1e8`` that rounds away 8 nats. The
+    probabilities only depend on ``x - max(x)``, so each row's (finite) max is subtracted
+    first, in float64, where it is exact to the input's own resolution. JAX arrays, tracers
+    and non-float64 input are returned unchanged (their values are already what they are).
+    Rows holding NaN or ``+inf``, or no finite logit, are left as they are.
+
+    Source: ``docs/certificates.md``, section "Numerics".
+    """
+    if isinstance(x, jax.Array | jax.core.Tracer) or jax.config.jax_enable_x64:
+        return x
+    if not isinstance(x, np.ndarray | list | tuple):
+        return x
+    a = np.asarray(x)
+    if a.dtype != np.float64 or a.ndim < 1 or a.size == 0:
+        return x
+    with np.errstate(invalid="ignore"):
+        top = np.max(a, axis=-1, keepdims=True)
+    return a - np.where(np.isfinite(top), top, 0.0)
 
 
 def normalizer(x):

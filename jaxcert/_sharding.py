@@ -98,7 +98,8 @@ def log_softmax(x, axis_name: AxisName):
     if axis_name is None:
         return jax.nn.log_softmax(x, axis=-1)
     x_max = vocab_max(lax.stop_gradient(x), axis_name)
-    return x - (x_max + jnp.log(vocab_sum(jnp.exp(x - x_max[..., None]), axis_name)))[..., None]
+    shifted = x - x_max[..., None]  # relative to the max first: offset-free
+    return shifted - jnp.log(vocab_sum(jnp.exp(shifted), axis_name))[..., None]
 
 
 def entropy(x, x_max, total, axis_name: AxisName):

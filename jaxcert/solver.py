@@ -105,10 +105,13 @@ def _prepare(x: jax.Array, window: int, need_entropy: bool, axis_name) -> _Prepa
     # Keep the normalisation independent of top_k's outputs: on CPU, XLA fuses a reduction
     # that reads top_k's result into a loop that recomputes it (100x slower).
     x_max, total, entropy, top_x, top_i = _sharding.row_summary(x, window, need_entropy, axis_name)
-    lse = x_max + jnp.log(total)
-    # NaN propagates into lse, +inf and an all -inf row make x_max non-finite.
-    valid = jnp.isfinite(lse) & jnp.isfinite(x_max)
-    return _Prepared(x, valid, top_x, top_i, top_x[:, 0] - lse, entropy)
+    # Everything is relative to the row's max: log p(x0) = (x0 - max) - log S, never
+    # (max + log S) formed and subtracted again, which loses log S at large |max| (the
+    # results must not depend on a common offset of the logits). NaN propagates into the
+    # max and S; +inf and an all -inf row make the max non-finite.
+    log_total = jnp.log(total)
+    valid = jnp.isfinite(log_total) & jnp.isfinite(x_max)
+    return _Prepared(x, valid, top_x, top_i, (top_x[:, 0] - x_max) - log_total, entropy)
 
 
 def _water_fill(ux, u_valid, tx, x0) -> tuple:
@@ -275,15 +278,16 @@ def _finish(prep: _Prepared, sol: _Solution, return_q: bool, axis_name) -> Certi
     pool_size = jnp.where(sol.impossible, 0, sol.pooled_u + jnp.sum(sol.pooled_t, -1))
     level = jnp.where((pool_size > 0) & ok, p_max * sol.level_rel, nan)
     if prep.top_x.shape[-1] > 1:
-        margin = -p_max * jnp.expm1(prep.top_x[:, 1] - prep.top_x[:, 0])
+        # abs: a tie gives -0.0 otherwise (the value is >= 0 by construction).
+        margin = jnp.abs(p_max * jnp.expm1(prep.top_x[:, 1] - prep.top_x[:, 0]))
     else:
         margin = p_max
     competitor = jnp.where(sol.impossible[:, None], -1, sol.comp_i)
     q_star = None
     if return_q:
         x = prep.x
-        lse = prep.top_x[:, 0] - prep.log_p_max
-        p = jnp.exp(x - lse[:, None])
+        # log p = (x - x0) + log p(x0): relative to the max, whatever the offset.
+        p = jnp.exp((x - prep.top_x[:, :1]) + prep.log_p_max[:, None])
         rows = jnp.arange(x.shape[0])[:, None]
         # T* ids are global: this shard's entries are at id - offset (others are dropped).
         local = sol.comp_i - _sharding.shard_offset(x.shape[-1], axis_name)
@@ -409,7 +413,7 @@ def certificates(
     Source: spec sections 0-3 and 6 (``spec/certificates.md``).
     """
     rules = tuple(rules)
-    logits = _check_inputs(logits, rules, top_k)
+    logits = _check_inputs(_numerics.host_logits(logits), rules, top_k)
     kw = dict(rules=rules, return_q=return_q, top_k=top_k)
 
     def run(x, vocab_axes):

@@ -64,7 +64,7 @@ def distribution_stats(
       >>> int(s.greedy_token), round(float(s.margin), 4), round(float(s.top_coverage), 4)
       (0, 0.3, 0.9)
     """
-    x = logits if isinstance(logits, jax.Array) else jnp.asarray(logits)
+    x = logits if isinstance(logits, jax.Array) else jnp.asarray(_numerics.host_logits(logits))
     if not jnp.issubdtype(x.dtype, jnp.floating) or x.ndim < 1:
         raise ValueError(f"logits must be floating [..., V], got {x.dtype} {x.shape}")
     check_int("top", top)
@@ -82,13 +82,14 @@ def _stats(x, axis_name, *, top: int) -> DistributionStats:
     x_max, total, entropy, vals, idx = _sharding.row_summary(
         x, min(max(top, 2), vocab), True, axis_name
     )
-    lse = x_max + jnp.log(total)
-    top1 = jnp.exp(vals[..., 0] - lse)
+    # log p = (x - max) - log S: relative to the max, so a common offset cannot change it.
+    log_p = (vals - x_max[..., None]) - jnp.log(total)[..., None]
+    top1 = jnp.exp(log_p[..., 0])
     second = vals[..., 1] if vals.shape[-1] > 1 else jnp.full_like(top1, -jnp.inf)
     return DistributionStats(
         greedy_token=idx[..., 0],
         top1=top1,
-        top_coverage=jnp.sum(jnp.exp(vals[..., :top] - lse[..., None]), axis=-1),
-        margin=-top1 * jnp.expm1(second - vals[..., 0]),
+        top_coverage=jnp.sum(jnp.exp(log_p[..., :top]), axis=-1),
+        margin=jnp.abs(top1 * jnp.expm1(second - vals[..., 0])),  # abs: +0.0 for a tie
         entropy=entropy,
     )
