@@ -259,13 +259,21 @@ def _commit(state, config, policy, key, tree, d_cache, verified):
         rounds=state.rounds + active.astype(jnp.int32),
     )
     mask = lambda x: jnp.where(active[:, None], x, jnp.zeros((), x.dtype))  # noqa: E731
+    # Statistics count emitted tokens (vLLM's drafted / accepted / emitted): drafts after an
+    # end token or past the budget pass verification but are never emitted, so they are not
+    # "accepted". The emitted tokens are the first `count` of the accepted path plus the
+    # target's token, so min(accepted, count) of them are drafts.
+    emitted_drafts = jnp.minimum(accepted, count)
     round_stats = RoundStats(
         active=active,
         drafted=jnp.sum(tree.valid & active[:, None], axis=-1, dtype=jnp.int32),
         depth=jnp.where(active, depth, 0),
-        accepted=jnp.where(active, accepted, 0),
+        accepted=emitted_drafts,
         emitted=count,
-        nodes=ns.replace(valid=mask(ns.valid), accepted=mask(ns.accepted)),
+        nodes=ns.replace(
+            valid=mask(ns.valid),
+            accepted=mask(ns.accepted & (ns.depth <= emitted_drafts[:, None])),
+        ),
     )
     return new_state, round_stats
 

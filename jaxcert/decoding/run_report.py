@@ -76,16 +76,21 @@ def node_table(stats: RoundStats, prompt_ids: Sequence[str], *, start_round: int
 
 
 def acceptance_by_depth(stats: RoundStats, max_depth: int = 8) -> list[float]:
-    """Per-position acceptance rate: P(depth-d path accepted | depth d-1 accepted, d drafted).
+    """Per-position acceptance rate: P(depth-``d`` draft accepted | it was tested).
 
-    For trees: a depth counts as accepted when the accepted path reaches it.
+    Depth ``d`` was tested in a round when ``d`` tokens were drafted and at least ``d`` were
+    emitted or the round stopped by rejecting depth ``d``: ``depth >= d`` and
+    ``emitted >= d``. After an end token (or at the budget) the later depths were never
+    tested and do not count. For trees a depth is accepted when the accepted path reaches
+    it. ``nan`` where no round tested depth ``d``.
     """
     active = stats.active
     drafted, accepted = stats.depth[active], stats.accepted[active]
+    emitted = stats.emitted[active]
     rates = []
     for d in range(1, max_depth + 1):
-        reached = (accepted >= d - 1) & (drafted >= d)
-        rates.append(float(np.mean(accepted[reached] >= d)) if reached.any() else float("nan"))
+        tested = (drafted >= d) & (emitted >= d)
+        rates.append(float(np.mean(accepted[tested] >= d)) if tested.any() else float("nan"))
     return rates
 
 

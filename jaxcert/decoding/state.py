@@ -158,9 +158,12 @@ class RoundStats:
       active: ``[R, B]`` bool, the row took part in the round.
       drafted: ``[R, B]`` int32 drafted nodes.
       depth: ``[R, B]`` int32 drafted depth (the draft length ``K`` of a chain).
-      accepted: ``[R, B]`` int32 accepted drafted tokens (the accepted path length).
-      emitted: ``[R, B]`` int32 tokens appended (accepted plus the target's token, truncated at
-        the end token or the budget).
+      accepted: ``[R, B]`` int32 accepted drafted tokens that were emitted: the accepted
+        path, cut at the end token or the ``max_new_tokens`` budget (vLLM's "accepted"). A
+        draft after an end token passes verification but is never emitted, so it does not
+        count.
+      emitted: ``[R, B]`` int32 tokens appended (the accepted path plus the target's token,
+        truncated at the end token or the budget); ``accepted <= emitted <= accepted + 1``.
       nodes: a :class:`NodeStats` with ``[R, B, N]`` fields.
     """
 

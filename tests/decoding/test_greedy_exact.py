@@ -1,10 +1,12 @@
 """Strict greedy speculative decoding reproduces target-only greedy decoding token for token."""
 
+import jax
 import numpy as np
 import pytest
 from tiny_decoding import MAX_NEW, PROMPTS, WIDTH
 
 from jaxcert import decoding
+from jaxcert.decoding import run_report
 
 POLICIES = ["constant:3", "heuristic", "confidence:0.4", "svip:0.3", "cert:1"]
 SHAPES = {
@@ -160,3 +162,37 @@ def test_drafter_with_a_trained_head(target, drafters, greedy_reference):
     for got, want in zip(out.tokens, greedy_reference, strict=True):
         np.testing.assert_array_equal(got, want)
     assert out.stats.accepted.sum() > 0
+
+
+def test_statistics_count_emitted_tokens_when_the_end_token_is_drafted(target, greedy_reference):
+    """Drafter = target, K = 6, the end token is the first drafted token of the first round:
+    the round emits 1 token, so 1 drafted token was accepted (the vLLM definitions: drafted,
+    accepted = emitted drafts, emitted), not 6; the later drafts were never emitted."""
+    row = 0
+    eos = int(greedy_reference[row][0])  # the first token the drafter drafts
+    config = decoding.DecodeConfig(
+        verification=decoding.parse_verify("greedy"),
+        max_new_tokens=MAX_NEW,
+        max_draft=6,
+        eos_ids=(eos,),
+        buckets=(6,),
+    )
+    out = decoding.speculative_decode(
+        target, target, PROMPTS[row : row + 1], policy=decoding.Constant(k=6), config=config,
+        prompt_width=WIDTH,
+    )  # fmt: skip
+    np.testing.assert_array_equal(out.tokens[0], greedy_reference[row][:1])
+    s = jax.device_get(out.stats)
+    a = s.active
+    assert a.sum() == 1  # one round
+    assert s.depth[a].tolist() == [6] and s.drafted[a].tolist() == [6]
+    assert s.emitted[a].tolist() == [1]  # the end token
+    assert s.accepted[a].tolist() == [1]  # not 6
+    assert s.nodes.accepted[a].sum() == 1  # node verdicts agree: only the emitted draft
+    summary = run_report.summarize_run(s, num_tokens=1, decode_s=1.0)
+    assert summary["mean_accepted"] == 1.0
+    assert summary["tokens_per_round"] == 1.0
+    assert summary["acceptance_rate"] == round(1 / 6, 4)  # accepted / drafted
+    # Depth 1 was tested and accepted; depths 2-6 were never tested (nothing emitted there).
+    rates = run_report.acceptance_by_depth(s)
+    assert rates[0] == 1.0 and np.all(np.isnan(rates[1:6])), rates
