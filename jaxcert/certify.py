@@ -274,12 +274,9 @@ class Certifier:
         longest = max(len(self.encoded[i]) for i in keep)
         data = 1 if mesh is None else mesh_lib.data_size(mesh)
         self.slots = round_up(min(round_up(options.batch_size, data), len(keep)), data)
-        needed = longest + options.steps
-        if needed > lm.config.max_position_embeddings:
-            raise ValueError(
-                f"prompts of up to {longest} tokens plus {options.steps} steps need {needed} "
-                f"positions; the model supports {lm.config.max_position_embeddings}"
-            )
+        models.check_context_length(
+            {"target": lm}, prompt_tokens=longest, new_tokens=options.steps
+        )
         # Room for the padded last prefill piece and the slot's idle writes after its end.
         self.cache_length = round_up(longest, min(options.prefill_widths)) + options.steps + 1
         order = keep

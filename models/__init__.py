@@ -36,7 +36,7 @@ data parallel over ``"data"``; ``Auto`` axes)::
   # or: model = models.shard(model, mesh) for a model already in memory
 """
 
-from jaxcert.models._load import check_same_vocabulary, config_of, load
+from jaxcert.models._load import check_context_length, check_same_vocabulary, config_of, load
 from jaxcert.models._weights import LoadedModel
 from jaxcert.models.cache import KVCache
 from jaxcert.models.config import ModelConfig
@@ -52,6 +52,7 @@ __all__ = [
     "LoadedModel",
     "ModelConfig",
     "Transformer",
+    "check_context_length",
     "check_same_vocabulary",
     "config_of",
     "decode_step",

@@ -95,3 +95,38 @@ def check_same_vocabulary(target, drafter) -> None:
             f"tokenizer mismatch: the target has {len(tt)} tokens, the drafter {len(dt)}; "
             "speculative decoding needs one tokenizer"
         )
+
+
+def check_context_length(
+    models_: dict, *, prompt_tokens: int, new_tokens: int, draft_positions: int = 0
+) -> None:
+    """Raises ``ValueError`` if a run would read positions past a model's context length.
+
+    A run reads ``prompt_tokens + new_tokens + draft_positions`` positions at most: the
+    longest prompt, the new tokens, and (speculative decoding) the draft tree's depth, which
+    the last rounds draft beyond the last emitted token. Past ``max_position_embeddings`` a
+    model's rotary positions leave the range it was trained on and its outputs are
+    meaningless, without any error of their own; this check runs before anything compiles.
+
+    Args:
+      models_: ``{"target": model, ...}``, each a :class:`LoadedModel`, a module with a
+        ``config`` or a :class:`ModelConfig`; sides without a config are not checked.
+      prompt_tokens: tokens of the longest prompt.
+      new_tokens: new tokens per prompt (``max_new_tokens``, certify's ``--steps``).
+      draft_positions: extra positions of the draft (the draft depth ``K``), ``0`` without.
+
+    Raises:
+      ValueError: naming the model, the positions needed and the ones it supports.
+    """
+    needed = prompt_tokens + new_tokens + draft_positions
+    for name, model in models_.items():
+        config = config_of(model)
+        limit = getattr(config, "max_position_embeddings", None)
+        if limit is not None and needed > limit:
+            extra = f" plus {draft_positions} draft positions" if draft_positions else ""
+            raise ValueError(
+                f"context too long for the {name}: prompts of up to {prompt_tokens} tokens plus "
+                f"{new_tokens} new tokens{extra} need {needed} positions, but the {name} "
+                f"supports {limit} (its max_position_embeddings); use shorter prompts or "
+                "fewer new tokens"
+            )

@@ -135,7 +135,7 @@ def test_vocabulary_mismatch_is_rejected(pair, tmp_path):
         training.collect_features(target, other, [prompts.Prompt("0", "a")], steps=2)
 
 
-def test_cli_train_drafter_end_to_end(tmp_path):
+def test_cli_train_drafter_end_to_end(tmp_path, capsys):
     import json
 
     from jaxcert import cli
@@ -166,6 +166,14 @@ def test_cli_train_drafter_end_to_end(tmp_path):
                    "--prompts", str(path), "--train-steps", "3", "--width", "16",
                    "--decode-tokens", "0", *again])  # fmt: skip
     assert rc == 0
+    # A run past the model's 512 positions is refused before anything compiles: the
+    # continuations (--continuation) and the decoder phase (--decode-tokens plus the draft).
+    for flag, value in (("--continuation", "600"), ("--decode-tokens", "509")):
+        rc = cli.main(["train-drafter", "--target", str(target), "--drafter", str(drafter),
+                       "--prompts", str(path), flag, value,
+                       "--out", str(tmp_path / "long")])  # fmt: skip
+        assert rc == 2
+        assert "supports 512" in capsys.readouterr().err
     # Features of other prompts are refused before any training.
     rc = cli.main(["train-drafter", "--target", str(target), "--drafter", str(drafter),
                    "--prompts", str(path), "--max-prompts", "2", *again])  # fmt: skip

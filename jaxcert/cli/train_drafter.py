@@ -171,6 +171,20 @@ def run(args) -> int:
     # trunks are only needed for the features; training needs the two lm_heads.
     target = models.load(args.target, dtype=jnp.float32)
     target_config = target.config
+    # Both phases' context needs, before anything compiles (training is not lost to a
+    # decode phase that cannot run).
+    longest = max(len(ids) for ids in prompts.encode_prompts(target.tokenizer, prompt_set))
+    context = [dict(prompt_tokens=longest, new_tokens=args.continuation)]
+    if args.decode_tokens > 0:
+        context.append(
+            dict(
+                prompt_tokens=longest,
+                new_tokens=args.decode_tokens,
+                draft_positions=args.draft_length,
+            )
+        )
+    for need in context:
+        models.check_context_length({"target": target}, **need)
     saved = None
     if args.features is not None:
         with np.load(args.features) as f:
@@ -198,6 +212,8 @@ def run(args) -> int:
         gc.collect()
         drafter = models.load(args.drafter, dtype=jnp.float32)
     models.check_same_vocabulary(target_config, drafter.config)
+    for need in context:
+        models.check_context_length({"drafter": drafter}, **need)
     if saved is not None:
         features = saved
     else:

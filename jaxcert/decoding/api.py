@@ -233,11 +233,18 @@ def speculative_decode(
       A :class:`DecodeOutput`.
 
     Raises:
-      ValueError: mismatched vocabularies, short prompts or an invalid config; models on
-        different meshes or an ``Explicit`` mesh.
+      ValueError: mismatched vocabularies, short prompts or an invalid config; prompts plus
+        ``max_new_tokens`` plus the draft depth longer than a model's context
+        (``max_position_embeddings``); models on different meshes or an ``Explicit`` mesh.
     """
     check_pair(target, drafter)
     vocab_size = _vocab_size(target)
+    models.check_context_length(
+        {"target": target, "drafter": drafter},
+        prompt_tokens=max((len(p) for p in prompts), default=0),
+        new_tokens=config.max_new_tokens,
+        draft_positions=config.depth,
+    )
     (target, drafter), placement = _on_mesh((target, drafter), mesh)
     t_graph, t_params = split_model(target)
     d_graph, d_params = split_model(drafter)
@@ -297,9 +304,19 @@ def target_decode(
 
     Arguments as in :func:`speculative_decode` (``mesh`` included); prompts need at least 1
     token.
+
+    Raises:
+      ValueError: invalid sampling settings, ``max_new_tokens < 1``, short prompts, or
+        prompts plus ``max_new_tokens`` longer than the target's context
+        (``max_position_embeddings``).
     """
     check_sampling(temperature, top_p)
     check_int("max_new_tokens", max_new_tokens)
+    models.check_context_length(
+        {"target": target},
+        prompt_tokens=max((len(p) for p in prompts), default=0),
+        new_tokens=max_new_tokens,
+    )
     vocab_size = _vocab_size(target)
     (target,), placement = _on_mesh((target,), mesh)
     graph, params = split_model(target)

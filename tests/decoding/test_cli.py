@@ -35,7 +35,9 @@ def files(tmp_path_factory, target, drafters):
     prompts = root / "prompts.jsonl"
     prompts.write_text('{"id": "a", "prompt": "the cat sat"}\n{"id": "b", "prompt": "an otter"}\n')
     small = CONFIG.__class__(**{**CONFIG.__dict__, "vocab_size": 44})
+    short = CONFIG.__class__(**{**CONFIG.__dict__, "max_position_embeddings": 16})
     return {
+        "short": _write_gguf(random_model(short, seed=6), root / "short.gguf"),
         "target": _write_gguf(target, root / "target.gguf"),
         "drafter": _write_gguf(drafters["similar"], root / "drafter.gguf"),
         "small": _write_gguf(random_model(small, seed=5), root / "small.gguf"),
@@ -74,3 +76,13 @@ def test_decode_rejects_mismatched_vocabularies(files, monkeypatch, capsys):
 def test_decode_rejects_temperature_with_greedy(capsys):
     assert cli.main(["decode", "--temperature", "1", "--verify", "greedy"]) == 2
     assert "needs temperature > 0" in capsys.readouterr().err
+
+
+def test_decode_refuses_to_run_past_the_context_length(files, monkeypatch, capsys):
+    monkeypatch.setenv("JAXCERT_CACHE", str(files["root"] / "cache"))
+    argv = ["decode", "--target", str(files["short"]), "--drafter", str(files["short"]),
+            "--prompts", str(files["prompts"]), "--max-new-tokens", "12",
+            "--out", str(files["root"] / "short-out")]  # fmt: skip
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "context too long for the target" in err and "supports 16" in err

@@ -196,3 +196,25 @@ def test_statistics_count_emitted_tokens_when_the_end_token_is_drafted(target, g
     # Depth 1 was tested and accepted; depths 2-6 were never tested (nothing emitted there).
     rates = run_report.acceptance_by_depth(s)
     assert rates[0] == 1.0 and np.all(np.isnan(rates[1:6])), rates
+
+
+def test_decoding_past_the_context_length_is_refused_before_compiling():
+    """A model of 32 positions: a 30-token prompt and 20 new tokens used to decode all 20
+    tokens at positions past the model's range, speculative and target-only."""
+    import dataclasses
+
+    from tiny_decoding import CONFIG, random_model
+
+    short = random_model(dataclasses.replace(CONFIG, max_position_embeddings=32), seed=3)
+    prompt = [list(range(1, 31))]
+    with pytest.raises(ValueError, match="30 tokens plus 20 new tokens need 50 positions"):
+        decoding.target_decode(short, prompt, max_new_tokens=20)
+    config = decoding.DecodeConfig(
+        verification=decoding.parse_verify("tree:2x3"), max_new_tokens=2, buckets=(6,)
+    )
+    # 30 + 2 fit, but the tree drafts 3 deep past the last emitted token.
+    with pytest.raises(ValueError, match="plus 3 draft positions need 35 positions.*supports 32"):
+        decoding.speculative_decode(
+            short, short, prompt, policy=decoding.Constant(k=3), config=config
+        )
+    assert len(decoding.target_decode(short, prompt, max_new_tokens=2).tokens[0]) == 2
