@@ -28,7 +28,11 @@ def load(
       name_or_path: a checkpoint directory (`load_hf`), a `.gguf` file (`load_gguf`), or an
         asset name such as 'qwen2.5-coder-0.5b-instruct' (fetched with `jaxcert.assets.fetch`,
         then `load_gguf`).
-      dtype: parameter and compute dtype.
+      dtype: parameter and compute dtype. The logits are float32 whatever it is, and
+        jaxcert computes every verification quantity from them in float32; with bfloat16,
+        though, the rounding inside the layers depends on the batch shape, so one row's
+        logits differ between batch sizes (measured: 4e-2 between batch 1 and 4000 on a
+        tiny model). Use float32 where results must not depend on the batch.
       mesh: place each weight directly on its shards of this `jax.sharding.Mesh` (``Auto``
         axes) as it is read; see `model_from_tensors` and `jaxcert.models.shard`.
       rules: logical -> mesh axis rules, with `mesh` (default `LOGICAL_RULES`).

@@ -110,7 +110,10 @@ def add_parser(sub) -> None:
         "--dtype",
         choices=("float32", "bfloat16"),
         default="float32",
-        help="model weights and compute dtype (default float32)",
+        help="model weights and compute dtype (default float32). With bfloat16 the logits "
+        "are still float32 and every certificate is computed in float32, but bf16 rounding "
+        "inside the model depends on the batch shape: the same prompt's logits (and so its "
+        "certificates) can differ with --batch-size; use float32 for reproducible figures",
     )
     p.add_argument(
         "--out",

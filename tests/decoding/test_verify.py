@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxcert import rules as R
 from jaxcert.decoding import tree as T
@@ -115,3 +116,42 @@ def test_parse_verify(spec, tree, rule):
 def test_parse_verify_errors(bad):
     with pytest.raises(ValueError):
         Vf.parse_verify(bad)
+
+
+def test_verification_of_bfloat16_logits_is_float32_arithmetic():
+    """bf16 logits (a bf16 model's, or a bf16 dump) are verified in float32: the accepted
+    sets, sampling distributions and certificates equal those of the same values in float32,
+    and come back as float32. (A bf16 model's logits themselves depend on the batch size;
+    nothing here may add bf16 rounding of its own.)"""
+    logits = (jax.random.normal(jax.random.key(1), (16, 40)) * 3).astype(jnp.bfloat16)
+    up = logits.astype(jnp.float32)
+    tokens = jax.random.randint(jax.random.key(2), (16,), 0, 40)
+    for rule in RULES:
+        np.testing.assert_array_equal(
+            Vf.in_accepted_set(logits, tokens, rule), Vf.in_accepted_set(up, tokens, rule)
+        )
+        a, b = (
+            certificate(logits, R.TreeCoverage(2, base=rule)),
+            certificate(up, R.TreeCoverage(2, base=rule)),
+        )
+        assert a.value.dtype == jnp.float32
+        np.testing.assert_array_equal(a.value, b.value)
+    for t, top_p in ((1.0, 1.0), (0.7, 0.9)):
+        lp = Vf.sampling_log_probs(logits, t, top_p)
+        assert lp.dtype == jnp.float32
+        np.testing.assert_array_equal(lp, Vf.sampling_log_probs(up, t, top_p))
+
+
+def test_a_bfloat16_model_gives_float32_logits():
+    from jaxcert.models.cache import KVCache
+    from jaxcert.models.config import ModelConfig
+    from jaxcert.models.transformer import Transformer
+
+    config = ModelConfig(
+        architecture="qwen2", vocab_size=40, hidden_size=32, intermediate_size=64,
+        num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8, qkv_bias=True,
+    )  # fmt: skip
+    model = Transformer(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    cache = KVCache.create(config, 2, 8, dtype=jnp.bfloat16)
+    logits, _ = model(jnp.ones((2, 3), jnp.int32), cache)
+    assert logits.dtype == jnp.float32 and logits.shape == (2, 3, 40)
