@@ -16,6 +16,7 @@ __all__ = [
     "argtype",
     "check_float",
     "check_int",
+    "check_mask_shape",
     "check_probability",
     "round_up",
 ]
@@ -67,6 +68,31 @@ def check_probability(name: str, value, *, closed_right: bool = True) -> float:
         bound = "(0, 1]" if closed_right else "(0, 1)"
         raise ValueError(f"{name} must be in {bound}, got {value!r}")
     return value
+
+
+def check_mask_shape(name: str, shape: tuple, expected: tuple, *, what: str) -> None:
+    """Raises ``ValueError`` unless a mask of ``shape`` fits ``expected`` axis by axis.
+
+    Each axis must equal the expected one or be 1, and the ranks must be equal: a mask is
+    never broadcast from the right, where a ``[T]`` mask meant as ``[B]`` (or the converse,
+    when ``B == T``) would silently mask the wrong axis.
+
+    Args:
+      name: the argument's name, as the caller spells it.
+      shape: the mask's shape.
+      expected: the shape it masks.
+      what: what the axes are, for the message (e.g. ``"the logits' leading shape [...]"``).
+    """
+    shape, expected = tuple(shape), tuple(expected)
+    fits = len(shape) == len(expected) and all(
+        a in (b, 1) for a, b in zip(shape, expected, strict=True)
+    )
+    if not fits:
+        raise ValueError(
+            f"{name} has shape {shape}; expected {what} {expected} (each axis that size or "
+            "1, same rank: a mask is not broadcast from the right, so a per-row mask of "
+            "[B, T] positions is where[:, None])"
+        )
 
 
 def round_up(n: int, multiple: int) -> int:

@@ -22,6 +22,7 @@ from jax.scipy.special import xlogy
 
 from jaxcert import _numerics
 from jaxcert._validate import check_int as _check_int
+from jaxcert._validate import check_mask_shape
 
 __all__ = [
     "greedy_margin_bounds",
@@ -32,10 +33,21 @@ __all__ = [
 
 
 def _margin(margin):
+    """The margin as a float array; ``nan`` outside ``[0, 1]`` (an error if it is concrete).
+
+    Clipping would turn a wrong input (a log-probability, a percentage) into a plausible
+    bound; a traced margin cannot raise, so it gives ``nan`` there instead.
+    """
     margin = jnp.asarray(margin)
     if not jnp.issubdtype(margin.dtype, jnp.floating):
         margin = margin.astype(jnp.float32)
-    return jnp.clip(margin, 0.0, 1.0)
+    outside = (margin < 0) | (margin > 1)
+    if not isinstance(margin, jax.core.Tracer) and bool(jnp.any(outside)):
+        bad = float(margin.ravel()[jnp.argmax(outside.ravel())])
+        raise ValueError(
+            f"margin must be in [0, 1] (a probability difference p(x0) - p(x1)), got {bad!r}"
+        )
+    return jnp.where(outside, jnp.nan, margin)
 
 
 def greedy_margin_bounds(margin: jax.typing.ArrayLike, vocab_size: int):
@@ -53,7 +65,8 @@ def greedy_margin_bounds(margin: jax.typing.ArrayLike, vocab_size: int):
       ``V gamma^2 / 4``.
 
     Raises:
-      ValueError: ``vocab_size < 2``.
+      ValueError: ``vocab_size < 2``, or a concrete margin outside ``[0, 1]`` (under ``jit``
+        such a margin gives ``nan`` bounds; ``nan`` margins give ``nan`` too).
 
     Example:
       >>> from jaxcert import greedy_margin_bounds
@@ -86,7 +99,7 @@ def tree_margin_lower_bound(margin: jax.typing.ArrayLike, m: int):
       ``[...]`` lower bound in nats.
 
     Raises:
-      ValueError: ``m < 1``.
+      ValueError: ``m < 1``, or a concrete margin outside ``[0, 1]`` (``nan`` under ``jit``).
 
     Source: spec section 5, rule 6.
     """
@@ -110,7 +123,8 @@ def tree_margin_upper_bound(margin: jax.typing.ArrayLike, m: int, vocab_size: in
       ``[...]`` upper bound in nats (attained for ``A_V``, approached for ``B_k``).
 
     Raises:
-      ValueError: ``m < 1`` or ``vocab_size < m + 1``.
+      ValueError: ``m < 1``, ``vocab_size < m + 1``, or a concrete margin outside
+        ``[0, 1]`` (``nan`` under ``jit``).
 
     Source: spec section 5, rule 6.
     """
@@ -141,16 +155,21 @@ def certified_run_length(
     ``budget < C``: any drafter with ``KL(p||q) <= budget`` is then accepted there.
 
     Args:
-      certificate_values: ``[..., T]`` certificates ``C_p`` in nats (``+inf`` allowed).
-      budget: per-position KL budget ``epsilon`` in nats, a scalar or ``[..., T]``.
-      where: optional ``[..., T]`` bool mask of real positions; a masked position ends a
-        run and has run length 0.
+      certificate_values: ``[..., T]`` certificates ``C_p`` in nats (``+inf`` allowed;
+        ``nan``, an invalid row's certificate, is never certified).
+      budget: per-position KL budget ``epsilon >= 0`` in nats, a scalar or ``[..., T]``
+        (same rank; axes of size 1 broadcast). ``KL >= 0``, so a negative budget means
+        nothing: it would "certify" even ``C = 0`` positions.
+      where: optional ``[..., T]`` bool mask of real positions (same rank; axes of size 1
+        broadcast); a masked position ends a run and has run length 0.
 
     Returns:
-      ``[..., T]`` int32: ``r_t = 1 + r_{t+1}`` if position ``t`` is certified, else 0.
+      ``[..., T]`` int32: ``r_t = 1 + r_{t+1}`` if position ``t`` is certified, else 0;
+      ``-1`` where the budget is negative or ``nan`` (only possible under ``jit``).
 
     Raises:
-      ValueError: ``certificate_values`` has no time axis, or the shapes do not broadcast.
+      ValueError: ``certificate_values`` has no time axis; ``budget`` or ``where`` has
+        another rank or does not broadcast; a concrete budget that is negative or ``nan``.
 
     Source: "When Is a Draft Accepted?" (2026), certified runs (seed summary section 4).
     """
@@ -159,13 +178,19 @@ def certified_run_length(
         raise ValueError(f"certificate_values must have shape [..., T], got {values.shape}")
     # Compare in at least float32: a bfloat16 budget would round (0.2000001 -> 0.2002).
     values = values.astype(jnp.promote_types(values.dtype, jnp.float32))
-    try:
-        budget = jnp.broadcast_to(jnp.asarray(budget, values.dtype), values.shape)
-    except ValueError as err:
-        raise ValueError(f"budget does not broadcast to {values.shape}: {err}") from None
+    budget = jnp.asarray(budget, values.dtype)
+    if budget.ndim:
+        check_mask_shape("budget", budget.shape, values.shape, what="a scalar or [..., T] =")
+    budget = jnp.broadcast_to(budget, values.shape)
+    bad = ~(budget >= 0)  # negative or nan
+    if not isinstance(budget, jax.core.Tracer) and bool(jnp.any(bad)):
+        first = float(budget.ravel()[jnp.argmax(bad.ravel())])
+        raise ValueError(f"budget must be a KL in nats >= 0, got {first!r}")
     certified = budget < values
     if where is not None:
-        certified = certified & jnp.broadcast_to(jnp.asarray(where, bool), values.shape)
+        where = jnp.asarray(where, bool)
+        check_mask_shape("where", where.shape, values.shape, what="[..., T] =")
+        certified = certified & jnp.broadcast_to(where, values.shape)
 
     def step(carry, ok):
         run = jnp.where(ok, carry + 1, 0)
@@ -173,4 +198,4 @@ def certified_run_length(
 
     moved = jnp.moveaxis(certified, -1, 0)
     _, runs = lax.scan(step, jnp.zeros(moved.shape[1:], jnp.int32), moved, reverse=True)
-    return jnp.moveaxis(runs, 0, -1)
+    return jnp.where(bad, -1, jnp.moveaxis(runs, 0, -1))

@@ -274,9 +274,7 @@ class Certifier:
         longest = max(len(self.encoded[i]) for i in keep)
         data = 1 if mesh is None else mesh_lib.data_size(mesh)
         self.slots = round_up(min(round_up(options.batch_size, data), len(keep)), data)
-        models.check_context_length(
-            {"target": lm}, prompt_tokens=longest, new_tokens=options.steps
-        )
+        models.check_context_length({"target": lm}, prompt_tokens=longest, new_tokens=options.steps)
         # Room for the padded last prefill piece and the slot's idle writes after its end.
         self.cache_length = round_up(longest, min(options.prefill_widths)) + options.steps + 1
         order = keep

@@ -23,10 +23,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jaxcert import _numerics, _sharding
 from jaxcert import rules as rules_lib
-from jaxcert._validate import check_float, check_probability
+from jaxcert._validate import check_float, check_mask_shape, check_probability
 from jaxcert.solver import DEFAULT_TOP_K, certificate
 
 __all__ = [
@@ -57,7 +58,9 @@ def _masked(where, shape, *arrays):
     """Replaces masked rows by zeros so that they produce neither NaN values nor gradients."""
     if where is None:
         return None, arrays
-    mask = jnp.broadcast_to(jnp.asarray(where, bool), shape[:-1])
+    where = jnp.asarray(where, bool)
+    check_mask_shape("where", where.shape, shape[:-1], what="the logits' leading shape [...]")
+    mask = jnp.broadcast_to(where, shape[:-1])
     return mask, tuple(jnp.where(mask[..., None], a, jnp.zeros((), a.dtype)) for a in arrays)
 
 
@@ -69,7 +72,12 @@ def _kl(target_logits, drafter_logits, axis_name=None):
     safe_log_p = jnp.where(positive, log_p, 0.0)
     safe_log_q = jnp.where(positive, log_q, 0.0)  # q may be 0 where p is 0
     terms = jnp.where(positive, p * (safe_log_p - safe_log_q), 0.0)
-    return _sharding.vocab_sum(terms, axis_name)
+    kl = _sharding.vocab_sum(terms, axis_name)
+    # A row that is no distribution (NaN, +inf, or no finite logit: all -inf) has no KL;
+    # without this an all -inf target gave 0 (every p = NaN fails `p > 0`).
+    ok = jnp.isfinite(_sharding.vocab_max(lax.stop_gradient(target_logits), axis_name))
+    ok &= jnp.isfinite(_sharding.vocab_max(lax.stop_gradient(drafter_logits), axis_name))
+    return jnp.where(ok, kl, jnp.nan)
 
 
 def kl_divergence(
@@ -88,16 +96,20 @@ def kl_divergence(
     Args:
       drafter_logits: ``[..., V]`` drafter logits.
       target_logits: ``[..., V]`` target logits (same shape).
-      where: optional ``[...]`` bool mask; masked positions give exactly 0.
+      where: optional ``[...]`` bool mask, the logits' leading shape (axes of size 1
+        broadcast; the rank must match); masked positions give exactly 0.
       axis_name: mesh axis name(s) splitting the vocabulary, when called inside
         ``shard_map`` on vocabulary shards (collective max and sums; see
         :func:`jaxcert.certificates` for sharded inputs outside ``shard_map``).
 
     Returns:
-      ``[...]`` float32 (float64 for float64 input).
+      ``[...]`` float32 (float64 for float64 input); ``nan`` where a target or drafter row
+      is no distribution (a NaN or ``+inf`` logit, or no finite logit), ``+inf`` where the
+      drafter gives 0 to a token the target does not.
 
     Raises:
-      ValueError: non-floating inputs or mismatched shapes.
+      ValueError: non-floating inputs, mismatched shapes, or a ``where`` mask of another
+        rank than the leading shape (it is not broadcast from the right).
 
     Example:
       >>> import jax.numpy as jnp
@@ -197,7 +209,8 @@ def certificate_violation(
       target_logits: ``[..., V]`` target logits, same shape and vocabulary.
       rule: a verification rule (:mod:`jaxcert.rules`).
       margin: nats added to the excess; ``> 0`` asks for slack below the certificate.
-      where: optional ``[...]`` bool mask; masked positions give exactly 0 loss and 0
+      where: optional ``[...]`` bool mask of the logits' leading shape (axes of size 1
+        broadcast; the rank must match); masked positions give exactly 0 loss and 0
         gradient (even if their logits are NaN).
       differentiate_target: also differentiate w.r.t. the target logits (default: the
         target is a constant, ``stop_gradient``).

@@ -157,3 +157,45 @@ def test_run_length_compares_in_float32_for_bfloat16_certificates():
     values = jnp.asarray([0.2, 0.3, 0.1, 0.5], jnp.bfloat16)
     budget = float(values[0]) - 1e-7  # just below the first certificate
     np.testing.assert_array_equal(jaxcert.certified_run_length(values, budget), [2, 1, 0, 1])
+
+
+@pytest.mark.parametrize("margin", [1.5, -0.5, [0.2, 1.0001]])
+def test_margins_outside_the_unit_interval_are_refused_not_clipped(margin):
+    """They used to be clipped to [0, 1] silently (1.5 gave the bounds of margin 1)."""
+    calls = [
+        lambda g: bounds.greedy_margin_bounds(g, 10),
+        lambda g: bounds.tree_margin_lower_bound(g, 2),
+        lambda g: bounds.tree_margin_upper_bound(g, 2, 10),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match="margin must be in \\[0, 1\\]"):
+            call(margin)
+        # Under jit the margin is traced: nan, not a plausible bound.
+        traced = jax.tree.leaves(jax.jit(call)(jnp.asarray(margin)))
+        assert all(np.all(np.isnan(np.asarray(x)[np.asarray(margin) != 0.2])) for x in traced)
+    for edge in (0.0, 1.0):  # the ends are margins
+        assert np.isfinite(bounds.greedy_margin_bounds(edge, 10)[1])
+
+
+def test_a_negative_or_nan_budget_is_refused():
+    """A negative budget used to certify every position, C = 0 ones included."""
+    c = jnp.array([[0.0, 0.2, 0.0]])
+    for budget in (-1.0, float("nan"), jnp.array([[0.1, -0.1, 0.1]])):
+        with pytest.raises(ValueError, match="budget must be a KL in nats >= 0"):
+            bounds.certified_run_length(c, budget)
+    got = jax.jit(bounds.certified_run_length)(c, jnp.array([[0.1, -0.1, 0.1]]))
+    np.testing.assert_array_equal(got, [[0, -1, 0]])  # -1: no run length there
+    np.testing.assert_array_equal(bounds.certified_run_length(c, 0.0), [[0, 1, 0]])
+
+
+def test_masks_and_budgets_of_another_rank_are_refused():
+    """A [T] mask meant as [B] (B == T == 3) used to broadcast onto the time axis."""
+    c = jnp.full((3, 3), 0.5)
+    per_row = jnp.array([True, False, True])
+    with pytest.raises(ValueError, match="where has shape \\(3,\\)"):
+        bounds.certified_run_length(c, 0.1, where=per_row)
+    with pytest.raises(ValueError, match="budget has shape \\(3,\\)"):
+        bounds.certified_run_length(c, jnp.array([0.1, 0.9, 0.1]))
+    np.testing.assert_array_equal(
+        bounds.certified_run_length(c, 0.1, where=per_row[:, None]), [[3, 2, 1], [0] * 3, [3, 2, 1]]
+    )

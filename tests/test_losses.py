@@ -237,3 +237,31 @@ def test_optax_steps_reduce_violation():
     assert history[0] > 0.1
     assert all(b < a for a, b in zip(history[:10], history[1:11], strict=True)), history
     assert history[-1] < 0.5 * history[0], history
+
+
+def test_kl_of_rows_that_are_no_distribution_is_nan():
+    """An all -inf target row used to give KL = 0."""
+    ninf = -jnp.inf
+    target = jnp.array([[ninf, ninf, ninf], [0.0, 1.0, 2.0], [0.0, jnp.nan, 1.0], [0.0, 0.0, 0.0]])
+    drafter = jnp.array([[0.0, 1.0, 2.0], [ninf, ninf, ninf], [0.0, 1.0, 1.0], [0.0, ninf, 0.0]])
+    kl = np.asarray(losses.kl_divergence(drafter, target))
+    assert np.isnan(kl[:3]).all()
+    assert kl[3] == np.inf  # a real answer: the drafter gives 0 to a token the target does not
+    # Zero-probability target tokens are fine, and masked rows are exactly 0.
+    ok = losses.kl_divergence(jnp.array([0.0, 0.0, 0.0]), jnp.array([0.0, 0.0, ninf]))
+    np.testing.assert_allclose(ok, np.log(1.5), rtol=1e-6)
+    masked = losses.kl_divergence(drafter, target, where=jnp.array([False, False, False, True]))
+    np.testing.assert_array_equal(np.asarray(masked)[:3], 0.0)
+
+
+def test_a_mask_of_another_rank_is_refused():
+    """Logits [B, T, V] with B == T: a [T] mask used to broadcast where [B] was meant."""
+    d = jax.random.normal(jax.random.key(0), (3, 3, 5))
+    t = jax.random.normal(jax.random.key(1), (3, 3, 5))
+    per_row = jnp.array([True, False, True])
+    for fn in (losses.kl_divergence, lambda a, b, where: losses.certificate_violation(
+            a, b, R.StrictGreedy(), where=where)):  # fmt: skip
+        with pytest.raises(ValueError, match="where has shape \\(3,\\)"):
+            fn(d, t, where=per_row)
+        got = np.asarray(fn(d, t, where=per_row[:, None]))
+        assert np.all(got[1] == 0) and np.all(got[0] != 0)
