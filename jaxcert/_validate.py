@@ -18,6 +18,8 @@ __all__ = [
     "check_int",
     "check_mask_shape",
     "check_probability",
+    "in_user_words",
+    "parsed_by",
     "round_up",
 ]
 
@@ -121,4 +123,35 @@ def argtype(check: Callable, parse: Callable = int, **kwargs) -> Callable[[str],
             raise argparse.ArgumentTypeError(str(err).removeprefix("value ")) from None
 
     convert.__name__ = f"{parse.__name__}"
+    return convert
+
+
+def in_user_words(err: ValueError, names: dict[str, str]) -> str:
+    """The message of a check's error with the Python name replaced by the user's spelling.
+
+    The config classes name their fields (``Additive.t must be ...``); a parser of the
+    command-line grammar knows what the user typed (``T`` in ``additive:T``).
+
+    >>> in_user_words(ValueError("Additive.t must be in (0, 1], got 1.5"), {"Additive.t": "T"})
+    'T must be in (0, 1], got 1.5'
+    """
+    text = str(err)
+    for python_name, user_name in names.items():
+        if text.startswith(python_name + " "):
+            return user_name + text[len(python_name) :]
+    return text
+
+
+def parsed_by(parse: Callable[[str], object]) -> Callable[[str], str]:
+    """An ``argparse`` type that checks a spec with ``parse`` when the command line is parsed
+    and keeps the text (the command parses it again where it needs the object)."""
+
+    def convert(text: str) -> str:
+        try:
+            parse(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+        return text
+
+    convert.__name__ = getattr(parse, "__name__", "spec")
     return convert

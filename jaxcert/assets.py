@@ -29,7 +29,7 @@ import zipfile
 
 from jaxcert._paths import cache_dir
 
-__all__ = ["Asset", "AssetError", "ASSETS", "cache_dir", "cached_path", "fetch"]
+__all__ = ["Asset", "AssetError", "ASSETS", "cache_dir", "cached_path", "fetch", "names"]
 
 _CHUNK = 1 << 22
 
@@ -50,6 +50,8 @@ class Asset:
       filename: name of the joined file in the cache.
       sha256: hex digest of the joined file.
       size: size of the joined file in bytes.
+      kind: ``'model'`` (a GGUF checkpoint, for ``--target`` / ``--drafter``) or
+        ``'prompts'`` (a prompt set, for ``--prompts``).
     """
 
     name: str
@@ -58,6 +60,7 @@ class Asset:
     filename: str
     sha256: str
     size: int
+    kind: str = "model"
 
 
 def _split(prefix: str, version: str, count: int, member: str) -> tuple[tuple[str, str], ...]:
@@ -108,6 +111,7 @@ ASSETS: dict[str, Asset] = {
             filename="mtbench-question.jsonl",
             sha256="119565adbab82227089cefdb44c8d7e2cf04dc0a0ec233634c82e7d4e2a944f7",
             size=48_929,
+            kind="prompts",
         ),
         Asset(
             name="sharegpt",
@@ -122,9 +126,15 @@ ASSETS: dict[str, Asset] = {
             filename="sharegpt-v3-unfiltered-cleaned-split.json",
             sha256="99af0276a84059eca22886be5ea278454a05a505f455436f2f2e78a8faa77772",
             size=125_509_632,
+            kind="prompts",
         ),
     )
 }
+
+
+def names(kind: str) -> list[str]:
+    """The names of the assets of one kind (``'model'`` or ``'prompts'``), sorted."""
+    return sorted(name for name, a in ASSETS.items() if a.kind == kind)
 
 
 def _lookup(asset: Asset | str) -> Asset:

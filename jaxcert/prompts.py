@@ -126,18 +126,26 @@ def load_prompts(source: str, *, turn: int = 0, max_prompts: int | None = None) 
       The prompts, in file order.
 
     Raises:
-      FileNotFoundError: the file does not exist.
+      FileNotFoundError: no such file, and not the name of a prompt set.
       ValueError: invalid JSON or a record without a usable prompt (line number given),
-        or no prompts at all.
+        no prompts at all, or the name of an asset that is a model.
     """
+    from jaxcert import assets
+
     if max_prompts is not None:
         check_int("max_prompts", max_prompts)
-    if source in ("mtbench", "sharegpt"):
-        from jaxcert import assets
-
+    sets = assets.names("prompts")
+    asset = assets.ASSETS.get(source)
+    if asset is not None and asset.kind != "prompts":
+        raise ValueError(f"{source!r} is a {asset.kind}, not a prompt set ({', '.join(sets)})")
+    if asset is not None:
         path = assets.fetch(source)
     else:
         path = pathlib.Path(source).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"no prompt file {source!r}, and it is no prompt set name ({', '.join(sets)})"
+            )
     if source == "sharegpt" or path.suffix == ".json":
         return _read_sharegpt(path, turn, max_prompts)
     prompts = _read_jsonl(path, turn)

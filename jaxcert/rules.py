@@ -20,7 +20,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from jaxcert._validate import check_float, check_int, check_probability
+from jaxcert._validate import check_float, check_int, check_probability, in_user_words
 
 __all__ = [
     "Rule",
@@ -307,11 +307,38 @@ _GRAMMAR = (
 )
 
 
+# The config fields as the command-line grammar spells them.
+_USER_NAMES = {
+    "Additive.t": "T",
+    "Multiplicative.alpha": "ALPHA",
+    "TargetTopK.k": "K",
+    "Typical.eps": "EPS",
+    "Typical.delta": "DELTA",
+    "TreeCoverage.m": "M",
+}
+_SPELLING = {
+    "additive": "additive:T",
+    "multiplicative": "multiplicative:ALPHA",
+    "topk": "topk:K",
+    "typical": "typical[:EPS[:DELTA]]",
+    "tree": "tree:M[+<single-token rule>]",
+}
+
+
+def _build(spec: str, name: str, cls, *args, **kwargs):
+    """``cls(*args)``, its errors in the words of the rule grammar."""
+    try:
+        return cls(*args, **kwargs)
+    except ValueError as err:
+        message = in_user_words(err, _USER_NAMES)
+        raise ValueError(f"rule {spec!r}: {message}; expected {_SPELLING[name]}") from None
+
+
 def _number(text: str, kind, what: str):
     try:
         return kind(text)
     except ValueError:
-        raise ValueError(f"{what}: {text!r} is not a valid {kind.__name__}") from None
+        raise ValueError(f"rule {what!r}: {text!r} is not a valid {kind.__name__}") from None
 
 
 def parse_rule(spec: str) -> Rule:
@@ -351,18 +378,18 @@ def parse_rule(spec: str) -> Rule:
     if name == "greedy":
         return StrictGreedy()
     if name == "additive":
-        return Additive(_number(args[0], float, spec))
+        return _build(spec, name, Additive, _number(args[0], float, spec))
     if name == "multiplicative":
-        return Multiplicative(_number(args[0], float, spec))
+        return _build(spec, name, Multiplicative, _number(args[0], float, spec))
     if name == "topk":
-        return TargetTopK(_number(args[0], int, spec))
+        return _build(spec, name, TargetTopK, _number(args[0], int, spec))
     if name == "typical":
         values = [_number(a, float, spec) for a in args]
-        return Typical(*values)
+        return _build(spec, name, Typical, *values)
     base = parse_rule(tail) if tail else None
     if isinstance(base, TreeCoverage):
         raise ValueError(f"rule {spec!r}: the base of a tree rule must be a single-token rule")
-    return TreeCoverage(_number(args[0], int, spec), base=base)
+    return _build(spec, name, TreeCoverage, _number(args[0], int, spec), base=base)
 
 
 def parse_rules(specs: str) -> tuple[Rule, ...]:

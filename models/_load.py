@@ -38,9 +38,10 @@ def load(
       rules: logical -> mesh axis rules, with `mesh` (default `LOGICAL_RULES`).
 
     Raises:
-      ValueError: nothing could be loaded (not a folder or `.gguf` file, and not an asset
-        `jaxcert.assets.fetch` knows or can fetch); the message lists what was tried. Also
-        an ``Explicit`` mesh (see `load_hf` / `load_gguf` for errors of a found checkpoint).
+      ValueError: nothing could be loaded: not a folder or `.gguf` file, and not a model
+        asset (a prompt-set name is refused as such), or the asset could not be fetched; the
+        message lists the model names. Also an ``Explicit`` mesh (see `load_hf` /
+        `load_gguf` for errors of a found checkpoint).
     """
     path = pathlib.Path(name_or_path).expanduser()
     kw = dict(dtype=dtype, mesh=mesh, rules=rules)
@@ -50,16 +51,27 @@ def load(
         return load_hf(path, **kw)
     if path.is_file() and path.suffix == ".gguf":
         return load_gguf(path, **kw)
-    tried = [f"directory {str(path)!r}: not found", f"GGUF file {str(path)!r}: not found"]
-    if path.is_file():
-        tried[1] = f"file {str(path)!r}: not a .gguf file"
+    name = str(name_or_path)
+    models_ = ", ".join(assets.names("model"))
+    asset = assets.ASSETS.get(name)
+    if asset is not None and asset.kind != "model":
+        raise ValueError(f"{name!r} is a prompt set, not a model (models: {models_})")
+    if asset is None:
+        what = (
+            f"{name!r} is a file but not a .gguf file"
+            if path.is_file()
+            else f"no folder or .gguf file {name!r}"
+        )
+        raise ValueError(
+            f"cannot load {name!r}: {what}, and it is no model name ({models_}); give a Hugging "
+            "Face checkpoint folder (config.json, tokenizer, *.safetensors), a .gguf file or "
+            "a model name"
+        )
     try:
-        fetched = assets.fetch(str(name_or_path))
-    except (assets.AssetError, OSError) as e:  # unknown name, download failure
-        tried.append(f"asset {str(name_or_path)!r}: {e}")
-    else:
-        return load_gguf(fetched, **kw)
-    raise ValueError(f"Cannot load {str(name_or_path)!r}; tried: " + "; ".join(tried) + ".")
+        fetched = assets.fetch(name)
+    except (assets.AssetError, OSError) as e:  # download failure
+        raise ValueError(f"cannot load model {name!r}: {e}") from None
+    return load_gguf(fetched, **kw)
 
 
 def config_of(model):

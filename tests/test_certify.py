@@ -122,19 +122,34 @@ def test_cli_certify_writes_tables_and_plots(checkpoint, prompt_file, tmp_path, 
 @pytest.mark.parametrize(
     "override, message",
     [
-        ({"--rules": "greedy,bogus:1"}, "unknown rule"),
-        ({"--rules": "additive:2"}, "Additive.t"),
-        ({"--prompts": "/nonexistent/prompts.jsonl"}, "not found"),
-        ({"--target": "/nonexistent/model"}, "Cannot load"),
+        ({"--rules": "greedy,bogus:1"}, "argument --rules: unknown rule 'bogus:1'"),
+        ({"--rules": "additive:2"}, "argument --rules: rule 'additive:2': T must be in (0, 1]"),
+        ({"--prompts": "/nonexistent/p.jsonl"}, "--prompts: no prompt file '/nonexistent/p.jsonl'"),
+        ({"--prompts": "smollm2-135m-instruct"}, "--prompts: 'smollm2-135m-instruct' is a model"),
+        ({"--target": "/nonexistent/model"}, "--target: cannot load '/nonexistent/model'"),
+        ({"--target": "mtbench"}, "--target: 'mtbench' is a prompt set, not a model"),
     ],
-    ids=["unknown-rule", "bad-parameter", "missing-prompts", "missing-model"],
-)
+    ids=["unknown-rule", "bad-parameter", "missing-prompts", "model-as-prompts", "missing-model",
+         "prompts-as-model"],
+)  # fmt: skip
 def test_cli_errors_are_clear(override, message, checkpoint, prompt_file, tmp_path, capsys):
+    """Errors name the option and what the user typed, and list only what fits the option
+    (`--target /nope` used to list `mtbench` among the loadable models)."""
     flags = {"--target": str(checkpoint), "--prompts": str(prompt_file), "--steps": "2",
              "--out": str(tmp_path / "o")} | override  # fmt: skip
     args = ["certify"] + [item for pair in flags.items() for item in pair]
-    assert cli.main(args) == 2
-    assert message in capsys.readouterr().err
+    if "argument" in message:  # refused by the parser
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(args)
+        assert exit_info.value.code == 2
+    else:
+        assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    if "--target" in override:
+        assert "sharegpt" not in err and "mtbench, " not in err  # no prompt set as a model
+    if "--prompts" in override:
+        assert "qwen2.5" not in err  # no model as a prompt set
 
 
 def test_cli_certify_mixed_categories_and_out_errors(checkpoint, tmp_path, capsys):

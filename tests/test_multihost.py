@@ -100,8 +100,8 @@ def test_a_failing_process_stops_the_others(checkpoint, prompt_file, tmp_path):
     argvs[1][argvs[1].index("--prompts") + 1] = str(tmp_path / "missing.jsonl")
     results = _launch(argvs, tmp_path)
     assert [r.returncode for r in results] == [2, 2], [r.stderr[-3000:] for r in results]
-    assert "process 1 of 2 failed: FileNotFoundError" in results[0].stderr
-    assert "prompt file not found" in results[1].stderr
+    assert "process 1 of 2 failed: ValueError" in results[0].stderr
+    assert "--prompts: no prompt file" in results[1].stderr
 
 
 def test_distributed_arguments_are_checked(monkeypatch, capsys):

@@ -98,3 +98,26 @@ def test_parse_rules_and_aliases():
 def test_invalid_rules_raise_clear_errors(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        (
+            "additive:1.5",
+            "rule 'additive:1.5': T must be in \\(0, 1\\], got 1.5; expected additive:T",
+        ),
+        ("multiplicative:1", "rule 'multiplicative:1': ALPHA must be in \\(0, 1\\)"),
+        ("topk:0", "rule 'topk:0': K must be an integer >= 1"),
+        ("typical:0.5:-1", "rule 'typical:0.5:-1': DELTA must be a finite number > 0"),
+        ("tree:0", "rule 'tree:0': M must be an integer >= 1"),
+        ("tree:2+additive:0", "rule 'additive:0': T must be in"),
+        ("topk:x", "rule 'topk:x': 'x' is not a valid int"),
+    ],
+)
+def test_parse_errors_use_the_grammars_words_not_the_classes(spec, message):
+    """`--rules additive:1.5` used to answer `Additive.t must be ...` (the Python class)."""
+    with pytest.raises(ValueError, match=message) as info:
+        R.parse_rule(spec)
+    assert "." not in str(info.value).split(":")[0]
+    assert not any(c in str(info.value) for c in ("Additive", "TreeCoverage", "Typical."))

@@ -5,8 +5,63 @@ from __future__ import annotations
 import argparse
 
 from jaxcert._argtypes import non_negative
+from jaxcert._validate import parsed_by
 
-__all__ = ["add_prompt_arguments"]
+__all__ = [
+    "add_prompt_arguments",
+    "load_model",
+    "load_prompt_set",
+    "policy_arg",
+    "rules_arg",
+    "verify_arg",
+]
+
+
+def _parse_rules(text: str):
+    from jaxcert.rules import parse_rules  # imported when used: `jaxcert --help` stays fast
+
+    return parse_rules(text)
+
+
+def _parse_policy(text: str):
+    from jaxcert.decoding.policies import parse_policy
+
+    return parse_policy(text)
+
+
+def _parse_verify(text: str):
+    from jaxcert.decoding.verify import parse_verify
+
+    return parse_verify(text)
+
+
+# argparse types: a bad spec fails when the command line is parsed, naming the option.
+rules_arg = parsed_by(_parse_rules)
+rules_arg.__name__ = "rules"
+policy_arg = parsed_by(_parse_policy)
+policy_arg.__name__ = "policy"
+verify_arg = parsed_by(_parse_verify)
+verify_arg.__name__ = "verify"
+
+
+def load_model(option: str, name_or_path, **kwargs):
+    """``models.load``, its errors prefixed with the option that named the model."""
+    from jaxcert import models
+
+    try:
+        return models.load(name_or_path, **kwargs)
+    except ValueError as err:
+        raise ValueError(f"{option}: {err}") from None
+
+
+def load_prompt_set(source: str, **kwargs):
+    """``prompts.load_prompts``, its errors prefixed with ``--prompts``."""
+    from jaxcert import prompts
+
+    try:
+        return prompts.load_prompts(source, **kwargs)
+    except (ValueError, FileNotFoundError) as err:
+        raise ValueError(f"--prompts: {err}") from None
 
 
 def add_prompt_arguments(p: argparse.ArgumentParser) -> None:

@@ -13,7 +13,7 @@ import time
 from jaxcert import mesh as mesh_lib
 from jaxcert._argtypes import non_negative, positive
 from jaxcert.cli import DEFAULT_RULES, DEFAULT_TARGET
-from jaxcert.cli._common import add_prompt_arguments
+from jaxcert.cli._common import add_prompt_arguments, load_model, load_prompt_set, rules_arg
 
 __all__ = ["add_parser", "run"]
 
@@ -71,6 +71,7 @@ def add_parser(sub) -> None:
     add_prompt_arguments(p)
     p.add_argument(
         "--rules",
+        type=rules_arg,
         default=DEFAULT_RULES,
         help=f"comma-separated rules (default: {DEFAULT_RULES}); tree+relaxed is "
         "written tree:4+additive:0.3",
@@ -300,7 +301,7 @@ def _run(args, dist: mesh_lib.Distributed, peers: _Peers) -> int:
     import jax.numpy as jnp
 
     import jaxcert
-    from jaxcert import certify, certify_store, models, prompts
+    from jaxcert import certify, certify_store
     from jaxcert.rules import parse_rules
 
     multi = dist.process_count > 1
@@ -324,11 +325,11 @@ def _run(args, dist: mesh_lib.Distributed, peers: _Peers) -> int:
         certify_store.check_output(out, resume=args.resume, overwrite=args.overwrite)
     started = time.perf_counter()
     compile_cache = jaxcert.enable_compilation_cache()
-    prompt_set = prompts.load_prompts(args.prompts, turn=args.turn, max_prompts=args.max_prompts)
+    prompt_set = load_prompt_set(args.prompts, turn=args.turn, max_prompts=args.max_prompts)
     print(f"{tag} loading target {args.target} ...", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
-    lm = models.load(args.target, dtype=dtype, mesh=mesh)  # each weight onto its shards
+    lm = load_model("--target", args.target, dtype=dtype, mesh=mesh)  # each weight onto its shards
     load_s = time.perf_counter() - t0
     print(
         f"{tag} target {lm.path.name}: {lm.config.num_layers} layers, "

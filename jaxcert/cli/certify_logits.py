@@ -12,6 +12,7 @@ import time
 
 from jaxcert._argtypes import positive
 from jaxcert.cli import DEFAULT_RULES
+from jaxcert.cli._common import rules_arg
 
 __all__ = ["add_parser", "run"]
 
@@ -42,7 +43,9 @@ def add_parser(sub) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("input", type=pathlib.Path, help="a .npy/.safetensors dump or a .jsonl file")
-    p.add_argument("--rules", default=DEFAULT_RULES, help=f"rules (default: {DEFAULT_RULES})")
+    p.add_argument(
+        "--rules", type=rules_arg, default=DEFAULT_RULES, help=f"rules (default: {DEFAULT_RULES})"
+    )
     p.add_argument("--tensor", default=None, help="tensor name in a .safetensors dump")
     p.add_argument(
         "--vocab-size",

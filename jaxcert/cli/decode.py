@@ -15,7 +15,13 @@ from jaxcert import mesh as mesh_lib
 from jaxcert._argtypes import non_negative_float, positive, unit_float
 from jaxcert._validate import round_up
 from jaxcert.cli import DEFAULT_DECODE_TARGET, DEFAULT_DRAFTER
-from jaxcert.cli._common import add_prompt_arguments
+from jaxcert.cli._common import (
+    add_prompt_arguments,
+    load_model,
+    load_prompt_set,
+    policy_arg,
+    verify_arg,
+)
 
 __all__ = ["add_parser", "run"]
 
@@ -46,6 +52,7 @@ def add_parser(sub) -> None:
     add_prompt_arguments(p)
     p.add_argument(
         "--policy",
+        type=policy_arg,
         default="svip:0.3",
         help="draft-length policy: constant:K | heuristic | confidence[:TAU] | "
         "svip[:H] | cert[:LAMBDA[:BETA]], optional /KMAX "
@@ -53,6 +60,7 @@ def add_parser(sub) -> None:
     )
     p.add_argument(
         "--verify",
+        type=verify_arg,
         default="greedy",
         help="[SHAPE+]RULE: greedy | additive:T | multiplicative:A | topk:K | typical "
         "| sample, SHAPE = tree:MxD | dyntree:MxDxN (default greedy)",
@@ -94,7 +102,7 @@ def run(args) -> int:
     import jax
     from tqdm import tqdm
 
-    from jaxcert import decoding, models, prompts
+    from jaxcert import decoding, prompts
     from jaxcert.decoding import run_report
 
     policy = decoding.parse_policy(args.policy)
@@ -113,10 +121,10 @@ def run(args) -> int:
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    prompt_set = prompts.load_prompts(args.prompts, turn=args.turn, max_prompts=args.max_prompts)
+    prompt_set = load_prompt_set(args.prompts, turn=args.turn, max_prompts=args.max_prompts)
     t0 = time.perf_counter()
-    target = models.load(args.target, mesh=mesh)  # each weight onto its shards
-    drafter = models.load(args.drafter, mesh=mesh)
+    target = load_model("--target", args.target, mesh=mesh)  # each weight onto its shards
+    drafter = load_model("--drafter", args.drafter, mesh=mesh)
     decoding.check_pair(target, drafter)
     load_s = time.perf_counter() - t0
     config = dataclasses.replace(config, eos_ids=target.eos_ids)

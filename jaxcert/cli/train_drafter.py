@@ -18,6 +18,7 @@ import time
 import numpy as np
 
 from jaxcert._argtypes import non_negative, non_negative_float, positive, positive_float, unit_float
+from jaxcert.cli._common import load_model, load_prompt_set
 
 __all__ = ["add_parser", "run"]
 
@@ -133,11 +134,11 @@ def _decode_heldout(args, prompt_set, held, heads, results) -> None:
 
     from jaxcert import models, prompts, training
 
-    target = models.load(args.target, dtype=jnp.float32)
+    target = load_model("--target", args.target, dtype=jnp.float32)
     if args.drafter is None:
         base = models.truncate(target.model, args.exit_layer)
     else:
-        base = models.load(args.drafter, dtype=jnp.float32).model
+        base = load_model("--drafter", args.drafter, dtype=jnp.float32).model
     encoded = prompts.encode_prompts(target.tokenizer, [prompt_set[i] for i in sorted(held)])
     bar, update = _bar("decoder acceptance")
     for i, (result, head) in enumerate(zip(results, heads, strict=True)):
@@ -166,10 +167,10 @@ def run(args) -> int:
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    prompt_set = prompts.load_prompts(args.prompts, max_prompts=args.max_prompts)
+    prompt_set = load_prompt_set(args.prompts, max_prompts=args.max_prompts)
     # One model in memory at a time (the 1.5B target alone is 7 GB in float32): the
     # trunks are only needed for the features; training needs the two lm_heads.
-    target = models.load(args.target, dtype=jnp.float32)
+    target = load_model("--target", args.target, dtype=jnp.float32)
     target_config = target.config
     # Both phases' context needs, before anything compiles (training is not lost to a
     # decode phase that cannot run).
@@ -210,7 +211,7 @@ def run(args) -> int:
     else:
         del target
         gc.collect()
-        drafter = models.load(args.drafter, dtype=jnp.float32)
+        drafter = load_model("--drafter", args.drafter, dtype=jnp.float32)
     models.check_same_vocabulary(target_config, drafter.config)
     for need in context:
         models.check_context_length({"drafter": drafter}, **need)

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxcert import _numerics
-from jaxcert._validate import check_float, check_probability
+from jaxcert._validate import check_float, check_probability, in_user_words
 from jaxcert._validate import check_int as _check_int
 from jaxcert.decoding.state import PolicyState
 from jaxcert.stats import distribution_stats
@@ -186,6 +186,18 @@ class Certified:
 Policy = Constant | Heuristic | Confidence | SVIP | Certified
 
 
+# The policy fields as the command-line grammar spells them.
+_USER_NAMES = {
+    "Constant.k": "K",
+    "Heuristic.k0": "K0",
+    "Confidence.tau": "TAU",
+    "SVIP.h": "H",
+    "Certified.lam": "LAMBDA",
+    "Certified.beta": "BETA",
+    **{f"{cls}.k_max": "KMAX" for cls in ("Heuristic", "Confidence", "SVIP", "Certified")},
+}
+
+
 def parse_policy(spec: str) -> Policy:
     """Parses a policy: ``constant:K``, ``heuristic[:K0]``, ``confidence[:TAU]``, ``svip[:H]``.
 
@@ -218,7 +230,8 @@ def parse_policy(spec: str) -> Policy:
         cls = {"confidence": Confidence, "svip": SVIP, "cert": Certified}[name]
         return cls(**dict(zip(keys, numbers, strict=False)), **extra)
     except ValueError as err:
-        raise ValueError(f"policy {spec!r}: {err}; expected {grammar}") from None
+        message = in_user_words(err, _USER_NAMES)
+        raise ValueError(f"policy {spec!r}: {message}; expected {grammar}") from None
 
 
 @struct.dataclass

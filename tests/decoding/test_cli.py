@@ -86,3 +86,26 @@ def test_decode_refuses_to_run_past_the_context_length(files, monkeypatch, capsy
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert "context too long for the target" in err and "supports 16" in err
+
+
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--policy", "svip:-1", "argument --policy: policy 'svip:-1': H must be a finite number"),
+        ("--verify", "tree:2x3+additive:2", "argument --verify: rule 'additive:2': T must be in"),
+    ],
+)
+def test_decode_errors_use_the_command_lines_words(flag, value, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["decode", flag, value])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "SVIP." not in err and "Additive." not in err
+
+
+def test_decode_refuses_a_prompt_set_as_a_model(files, monkeypatch, capsys):
+    monkeypatch.setenv("JAXCERT_CACHE", str(files["root"] / "cache"))
+    argv = ["decode", "--target", "mtbench", "--drafter", str(files["drafter"]),
+            "--prompts", str(files["prompts"]), "--out", str(files["root"] / "x")]  # fmt: skip
+    assert cli.main(argv) == 2
+    assert "--target: 'mtbench' is a prompt set, not a model" in capsys.readouterr().err

@@ -145,7 +145,11 @@ def test_load_dispatch(np_case, tmp_path, monkeypatch):
         return gguf_file
 
     monkeypatch.setattr(assets, "fetch", fetch)
+    tiny = assets.Asset("tiny-asset", "a tiny model", (), "tiny.gguf", "0" * 64, 1)
+    monkeypatch.setitem(assets.ASSETS, "tiny-asset", tiny)
     np.testing.assert_allclose(_logits(load("tiny-asset").model), _logits(lm.model), atol=1e-5)
-    with pytest.raises(ValueError, match="no-such-model.*directory.*GGUF.*unknown asset"):
+    with pytest.raises(ValueError, match="cannot load 'no-such-model': no folder or .gguf file"):
         load("no-such-model")
-    assert fetched == ["tiny-asset", "no-such-model"]
+    with pytest.raises(ValueError, match="'mtbench' is a prompt set, not a model"):
+        load("mtbench")
+    assert fetched == ["tiny-asset"]  # names that are no model asset are not fetched
