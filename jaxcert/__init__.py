@@ -11,8 +11,8 @@ M      list size ``m`` of a rule (top-``m``, tree coverage)
 W      the solver's sorted window of the top logits (``top_k``)
 =====  ====================================================================
 
-The math is the project's specification (``spec/certificates.md``, see the README);
-docstrings cite its sections as "spec section N".
+The math is in the repository's theory document, ``docs/certificates.md``; docstrings
+cite its sections as "``docs/certificates.md`` §N".
 """
 
 from jaxcert import losses

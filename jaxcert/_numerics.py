@@ -16,8 +16,8 @@ def series_terms(dtype) -> int:
 def h_shifted(d):
     """``h(1 + d)`` with ``h(r) = r log r - r + 1``, stable for every ``d >= -1``.
 
-    Uses the series ``sum_{k>=2} (-1)^k d^k / (k (k-1))`` for ``|d| < 1/4`` (spec
-    section 6) and ``(1 + d) log1p(d) - d`` elsewhere; ``h(0) = 1`` (``d = -1``).
+    Uses the series ``sum_{k>=2} (-1)^k d^k / (k (k-1))`` for ``|d| < 1/4``
+    (``docs/certificates.md`` §8) and ``(1 + d) log1p(d) - d`` elsewhere; ``h(0) = 1`` (``d = -1``).
     """
     d = jnp.asarray(d)
     small = jnp.abs(d) < 0.25
@@ -35,13 +35,13 @@ def h_shifted(d):
 def binary_kl_uniform(r):
     """``phi(r) = ((1+r)/2) log(1+r) + ((1-r)/2) log(1-r)`` for ``r`` in ``[0, 1]``.
 
-    ``phi(r) = (h(1+r) + h(1-r)) / 2``, evaluated without cancellation (spec section 5).
+    ``phi(r) = (h(1+r) + h(1-r)) / 2``, evaluated without cancellation (``docs/certificates.md`` §§7-8).
     """
     return 0.5 * (h_shifted(r) + h_shifted(-r))
 
 
 def coverage_kl_uniform(r, m: int):
-    """``L_m(r) = KL(((1+mr), (1-r), ..., (1-r))/(m+1) || Unif_{m+1})`` (spec section 5).
+    """``L_m(r) = KL(((1+mr), (1-r), ..., (1-r))/(m+1) || Unif_{m+1})`` (``docs/certificates.md`` §7).
 
     ``L_m(r) = (h(1 + m r) + m h(1 - r)) / (m + 1)``; ``L_1 = phi``.
     """

@@ -2,7 +2,7 @@
 
 When only the target margin ``gamma`` (the top-1 probability minus the runner-up's,
 ``p(x0) - max_{x != x0} p(x)``) is known, the certificate is
-bracketed by closed forms (spec section 5):
+bracketed by closed forms (``docs/certificates.md`` §7):
 
 * strict greedy: ``phi(gamma) <= C_1 <= s_V phi(gamma / s_V)``, ``s_V = gamma + 2(1-gamma)/V``,
   both tight;
@@ -10,7 +10,7 @@ bracketed by closed forms (spec section 5):
   supremum is ``O(1)`` even as ``gamma -> 0`` for ``m >= 2``, so only the lower bound is
   informative; it is provided for completeness.
 
-Source: "When Is a Draft Accepted?" (2026), section on margin bounds; spec section 5.
+Source: "When Is a Draft Accepted?" (2026), section on margin bounds; ``docs/certificates.md`` §7.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def greedy_margin_bounds(margin: jax.typing.ArrayLike, vocab_size: int):
       >>> round(float(lower), 4), round(float(upper), 4)
       (0.005, 0.0693)
 
-    Source: spec section 5, rule 1.
+    Source: ``docs/certificates.md`` §7, rule 1.
     """
     _check_int("vocab_size", vocab_size, 2)
     gamma = _margin(margin)
@@ -101,7 +101,7 @@ def tree_margin_lower_bound(margin: jax.typing.ArrayLike, m: int):
     Raises:
       ValueError: ``m < 1``, or a concrete margin outside ``[0, 1]`` (``nan`` under ``jit``).
 
-    Source: spec section 5, rule 6.
+    Source: ``docs/certificates.md`` §7, rule 6.
     """
     _check_int("m", m, 1)
     return _numerics.coverage_kl_uniform(_margin(margin), m)
@@ -126,7 +126,7 @@ def tree_margin_upper_bound(margin: jax.typing.ArrayLike, m: int, vocab_size: in
       ValueError: ``m < 1``, ``vocab_size < m + 1``, or a concrete margin outside
         ``[0, 1]`` (``nan`` under ``jit``).
 
-    Source: spec section 5, rule 6.
+    Source: ``docs/certificates.md`` §7, rule 6.
     """
     _check_int("m", m, 1)
     _check_int("vocab_size", vocab_size, m + 1)

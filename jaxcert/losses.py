@@ -10,11 +10,11 @@ reduction).
 Gradients flow to the drafter logits. The target side is a constant by default; with
 ``differentiate_target=True`` gradients also flow to the target logits, through
 ``KL(p||q)`` and through ``C_p`` with the exact sensitivity ``dC/dp_i = log(p_i / c)`` on
-the pool and 0 elsewhere (spec section 3), implemented as a custom VJP (no
+the pool and 0 elsewhere (``docs/certificates.md`` §6), implemented as a custom VJP (no
 differentiation through the solver's sort).
 
 Source: "When Is a Draft Accepted?" (2026), section 5 of the seed summary (training
-on certificate violation); spec section 3 (sensitivities).
+on certificate violation); ``docs/certificates.md`` §6 (sensitivities).
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ def certificate_value(
 ) -> jax.Array:
     """The certificate ``C_p`` (nats, ``[...]``) as a differentiable function of the target.
 
-    The gradient is the exact sensitivity of spec section 3, ``dC/dp_i = log(p_i / c)`` on
+    The gradient is the exact sensitivity of ``docs/certificates.md`` §6, ``dC/dp_i = log(p_i / c)`` on
     the pool and 0 elsewhere, chained through the softmax; it is 0 where ``C_p`` is 0 or
     ``+inf``. See :func:`jaxcert.certificate` for the value itself.
     """

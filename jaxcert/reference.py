@@ -3,11 +3,11 @@
 This is the slow, obviously-correct implementation that the JAX solver is tested
 against, and the NumPy baseline of ``scripts/bench_certify.py``. It follows the spec
 literally: stable sort, the rule's sets ``U`` and ``L``, ``T* = top-m(L)`` (Lemma 2)
-and the pooling loop of Lemma 1, with the stable evaluation of spec section 6.
+and the pooling loop of Lemma 1, with the stable evaluation of ``docs/certificates.md`` §8.
 :func:`certificate_enumerate` drops Lemma 2 and minimises over every ``m``-subset
 ``T`` of ``L`` instead (for small vocabularies).
 
-Source: spec sections 0-3 and 6.
+Source: ``docs/certificates.md`` §§2-5 and 8.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class ReferenceResult:
 
 
 def stable_h(r: np.ndarray) -> np.ndarray:
-    """``h(r) = r log r - r + 1 >= 0`` with the series of spec section 6 near ``r = 1``."""
+    """``h(r) = r log r - r + 1 >= 0`` with the series of ``docs/certificates.md`` §8 near ``r = 1``."""
     r = np.asarray(r, dtype=np.float64)
     d = r - 1.0
     out = np.empty_like(r)

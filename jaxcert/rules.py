@@ -1,6 +1,6 @@
 """Verification rules as small frozen configs.
 
-Every rule of spec section 0 is described by three ingredients: an upper set ``U`` of
+Every rule of ``docs/certificates.md`` §2 is described by three ingredients: an upper set ``U`` of
 the target distribution ``p`` (the tokens whose proposal is accepted), its complement
 ``L`` (a lower level set of ``p``) and a list size ``m``. The rule rejects a drafter
 ``q`` iff its worst-case top-``m`` list lies inside ``L``.
@@ -11,7 +11,7 @@ sorted by decreasing ``p`` (stable: lower index first), given either by a static
 (strict greedy, target top-k, tree) or by a probability threshold (additive,
 multiplicative, typical).
 
-Source: "When Is a Draft Accepted?" (2026), sections 2-3; spec sections 0 and 3.
+Source: "When Is a Draft Accepted?" (2026), sections 2-3; ``docs/certificates.md`` §§2 and 5.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ class _RuleBase:
 
 @dataclasses.dataclass(frozen=True)
 class StrictGreedy(_RuleBase):
-    """Strict greedy verification (spec rule 1): accept iff ``argmax q = x0``.
+    """Strict greedy verification (``docs/certificates.md`` §2, rule 1): accept iff ``argmax q = x0``.
 
     ``U = {x0}``, ``L`` = all other tokens, ``m = 1``. ``C_p < log 2``.
     """
@@ -101,7 +101,7 @@ class StrictGreedy(_RuleBase):
 
 @dataclasses.dataclass(frozen=True)
 class Additive(_RuleBase):
-    """Additive relaxation (spec rule 2): accept ``x`` iff ``p_x >= p_x0 - t``.
+    """Additive relaxation (``docs/certificates.md`` §2, rule 2): accept ``x`` iff ``p_x >= p_x0 - t``.
 
     Attributes:
       t: the additive slack, a probability in ``(0, 1]``.
@@ -123,7 +123,7 @@ class Additive(_RuleBase):
 
 @dataclasses.dataclass(frozen=True)
 class Multiplicative(_RuleBase):
-    """Multiplicative relaxation (spec rule 3): accept ``x`` iff ``p_x >= alpha p_x0``.
+    """Multiplicative relaxation (``docs/certificates.md`` §2, rule 3): accept ``x`` iff ``p_x >= alpha p_x0``.
 
     Attributes:
       alpha: the ratio, in ``(0, 1)``.
@@ -145,7 +145,7 @@ class Multiplicative(_RuleBase):
 
 @dataclasses.dataclass(frozen=True)
 class TargetTopK(_RuleBase):
-    """Target top-k acceptance (spec rule 4): accept ``x`` iff it is in the top-k of ``p``.
+    """Target top-k acceptance (``docs/certificates.md`` §2, rule 4): accept ``x`` iff it is in the top-k of ``p``.
 
     Attributes:
       k: how many target tokens are accepted, an integer ``>= 1``.
@@ -167,7 +167,7 @@ class TargetTopK(_RuleBase):
 
 @dataclasses.dataclass(frozen=True)
 class Typical(_RuleBase):
-    """Medusa's typical (entropy) acceptance (spec rule 5).
+    """Medusa's typical (entropy) acceptance (``docs/certificates.md`` §2, rule 5).
 
     Accept ``x`` iff ``p_x > min(eps, delta * exp(-H(p)))``. The defaults are Medusa's.
 
@@ -205,7 +205,7 @@ SINGLE_TOKEN_RULES = (StrictGreedy, Additive, Multiplicative, TargetTopK, Typica
 
 @dataclasses.dataclass(frozen=True)
 class TreeCoverage(_RuleBase):
-    """Tree / top-m coverage (spec rules 6 and 7).
+    """Tree / top-m coverage (``docs/certificates.md`` §2, rules 6 and 7).
 
     The draft is accepted iff the drafter's top-``m`` list contains a token of ``U``.
     With ``base=None`` (or :class:`StrictGreedy`) ``U = {x0}`` (rule 6); with a relaxed
@@ -277,7 +277,7 @@ def in_upper_set(rule: Rule, rel_logits, log_p_max, entropy=None):
     Returns:
       ``[...]`` bool, ``x in U``.
 
-    Source: spec sections 0 and 3 (the accepted set of each rule).
+    Source: ``docs/certificates.md`` §§2 and 8 (the accepted set of each rule, thresholds).
     """
     threshold, inclusive = rule.upper_threshold(jnp.exp(log_p_max), entropy)
     positive = threshold > 0

@@ -1,17 +1,17 @@
 """Exact acceptance certificates over full vocabularies.
 
-For a verification rule with rejection region ``R_p`` (spec section 0), the
+For a verification rule with rejection region ``R_p`` (``docs/certificates.md`` §§1-2), the
 certificate is ``C_p = min_{q in R_p} KL(p || q)`` in nats: if the drafter satisfies
 ``KL(p || q) < C_p``, its choice is guaranteed to be accepted. The minimiser ``q*``
 (the KL projection of ``p`` onto ``R_p``) is a rejected drafter at KL exactly ``C_p``.
 
-Algorithm (spec sections 1-3): ``U`` is a prefix of the tokens sorted by decreasing
+Algorithm (``docs/certificates.md`` §§3-5): ``U`` is a prefix of the tokens sorted by decreasing
 ``p``, the optimal competitor set ``T*`` is the next ``m`` tokens (Lemma 2), and the
 projection pools the largest ``U``-tokens with the smallest ``T*``-tokens at their
 mean ``c`` (Lemma 1). Pool membership is read off the sign of the water-filling
 function ``g(c) = sum_U (p - c)_+ - sum_T (c - p)_+`` at every breakpoint, and the
 value is evaluated as ``sum_P c h(p_i / c)`` from logit differences (``expm1``), which
-is stable for near-tied pools (spec section 6).
+is stable for near-tied pools (``docs/certificates.md`` §8).
 
 Speed: only the top ``W`` logits are sorted (``lax.top_k``). When ``U`` or ``T*``
 could reach past them (``|U| + m > W``, possible for the threshold rules), those rows
@@ -410,7 +410,7 @@ def certificates(
         object that is not a rule, or an invalid ``top_k``. Rows with NaN/``+inf`` do not
         raise: they come back with ``valid=False`` and ``value=nan``.
 
-    Source: spec sections 0-3 and 6 (``spec/certificates.md``).
+    Source: ``docs/certificates.md`` §§1-5 and 8 (precision: §8).
     """
     rules = tuple(rules)
     logits = _check_inputs(_numerics.host_logits(logits), rules, top_k)
@@ -445,6 +445,6 @@ def certificate(
       >>> round(float(c.value), 6)  # 0.7 log(1.4) + 0.3 log(0.6)
       0.082283
 
-    Source: spec sections 0-3 and 6 (``../shared/spec/certificates.md``).
+    Source: ``docs/certificates.md`` §§1-5 and 8.
     """
     return certificates(logits, (rule,), return_q=return_q, top_k=top_k, axis_name=axis_name)[0]

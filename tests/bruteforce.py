@@ -1,4 +1,4 @@
-"""Independent brute force of spec section 6: SLSQP over logits z for every m-subset T of L.
+"""Independent brute force (docs/certificates.md §8): SLSQP over logits z for every m-subset T of L.
 
 min_z KL(p || softmax(z))  s.t.  z_x >= z_y  for x in T, y in U.  Convex in z with linear
 constraints; three starts per subset. Accuracy about 1e-8 relative. Tiny V only.

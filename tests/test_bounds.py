@@ -1,4 +1,4 @@
-"""Margin-only bounds (spec section 5) and certified run lengths."""
+"""Margin-only bounds (docs/certificates.md §7) and certified run lengths."""
 
 from __future__ import annotations
 

@@ -329,7 +329,7 @@ def test_universal_bounds_and_limits(x64):
     for m in (1, 2, 4, 8):
         cert = jaxcert.certificate(jnp.asarray(_log(p)), R.TreeCoverage(m))
         assert np.all(np.asarray(cert.value) < math.log(m + 1))
-    # log 2 - C_1 equals the binary entropy H_b(eps) as p(x0) -> 1 (spec section 4).
+    # log 2 - C_1 equals the binary entropy H_b(eps) as p(x0) -> 1 (docs/certificates.md §7).
     for eps in (1e-4, 1e-8, 1e-12):
         x = jnp.asarray([math.log1p(-eps), math.log(eps)])
         got = float(jaxcert.certificate(x, R.StrictGreedy()).value)
@@ -338,7 +338,7 @@ def test_universal_bounds_and_limits(x64):
 
 
 def test_small_margin_has_no_cancellation(x64):
-    # C_1 ~ gamma^2 / 2 (spec section 5); the naive formula loses the sign at 1e-8.
+    # C_1 ~ gamma^2 / 2 (docs/certificates.md §7); the naive formula loses the sign at 1e-8.
     for gamma in (1e-3, 1e-6, 1e-8):
         p = np.array([(1 + gamma) / 2, (1 - gamma) / 2])
         got = float(jaxcert.certificate(jnp.asarray(np.log(p)), R.StrictGreedy()).value)

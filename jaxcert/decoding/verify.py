@@ -101,7 +101,7 @@ def in_accepted_set(logits: jax.Array, tokens: jax.Array, rule) -> jax.Array:
       rule: a single-token rule (``TreeCoverage`` uses its ``upper_rule``).
 
     Returns:
-      ``[...]`` bool. Matches the certificate solver's ``U`` (spec section 0).
+      ``[...]`` bool. Matches the certificate solver's ``U`` (``docs/certificates.md`` §§2 and 8).
     """
     rule = rule.upper_rule
     x = logits.astype(_numerics.compute_dtype(logits.dtype))
