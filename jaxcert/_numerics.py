@@ -35,13 +35,16 @@ def h_shifted(d):
 def binary_kl_uniform(r):
     """``phi(r) = ((1+r)/2) log(1+r) + ((1-r)/2) log(1-r)`` for ``r`` in ``[0, 1]``.
 
-    ``phi(r) = (h(1+r) + h(1-r)) / 2``, evaluated without cancellation (``docs/certificates.md`` §§7-8).
+    ``phi(r) = (h(1+r) + h(1-r)) / 2``, evaluated without cancellation
+    (``docs/certificates.md`` §§7-8).
     """
     return 0.5 * (h_shifted(r) + h_shifted(-r))
 
 
 def coverage_kl_uniform(r, m: int):
-    """``L_m(r) = KL(((1+mr), (1-r), ..., (1-r))/(m+1) || Unif_{m+1})`` (``docs/certificates.md`` §7).
+    """``L_m(r) = KL(((1+mr), (1-r), ..., (1-r))/(m+1) || Unif_{m+1})``.
+
+    Source: ``docs/certificates.md`` §7.
 
     ``L_m(r) = (h(1 + m r) + m h(1 - r)) / (m + 1)``; ``L_1 = phi``.
     """

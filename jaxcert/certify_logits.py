@@ -10,8 +10,8 @@ Two inputs, one table (one row per position):
   llama.cpp's server; the OpenAI-compatible ``logprobs.content[i].top_logprobs[j].logprob``):
   :func:`certify_top_logprobs`.
 
-**When the top ``K`` determine a certificate.** By ``docs/certificates.md`` §§4-5 and 9 the certificate
-depends only on the pool ``P ⊆ U ∪ T*``: the accepted set ``U`` (a prefix of the tokens
+**When the top ``K`` determine a certificate.** By ``docs/certificates.md`` §§4-5 and 9 the
+certificate depends only on the pool ``P ⊆ U ∪ T*``: the accepted set ``U`` (a prefix of the tokens
 sorted by ``p``) and ``T*``, the next ``m`` tokens. The window of the ``K`` largest
 probabilities therefore determines ``C_p`` exactly iff it holds ``U`` and ``T*``:
 

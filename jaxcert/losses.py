@@ -163,8 +163,8 @@ def certificate_value(
 ) -> jax.Array:
     """The certificate ``C_p`` (nats, ``[...]``) as a differentiable function of the target.
 
-    The gradient is the exact sensitivity of ``docs/certificates.md`` §6, ``dC/dp_i = log(p_i / c)`` on
-    the pool and 0 elsewhere, chained through the softmax; it is 0 where ``C_p`` is 0 or
+    The gradient is the exact sensitivity of ``docs/certificates.md`` §6, ``dC/dp_i = log(p_i / c)``
+    on the pool and 0 elsewhere, chained through the softmax; it is 0 where ``C_p`` is 0 or
     ``+inf``. See :func:`jaxcert.certificate` for the value itself.
     """
     return _certificate_value(jnp.asarray(target_logits), rule, top_k, axis_name)

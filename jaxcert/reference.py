@@ -47,7 +47,7 @@ class ReferenceResult:
 
 
 def stable_h(r: np.ndarray) -> np.ndarray:
-    """``h(r) = r log r - r + 1 >= 0`` with the series of ``docs/certificates.md`` §8 near ``r = 1``."""
+    """``h(r) = r log r - r + 1 >= 0``, by a series near ``r = 1`` (``docs/certificates.md`` §8)."""
     r = np.asarray(r, dtype=np.float64)
     d = r - 1.0
     out = np.empty_like(r)

@@ -85,7 +85,9 @@ class _RuleBase:
 
 @dataclasses.dataclass(frozen=True)
 class StrictGreedy(_RuleBase):
-    """Strict greedy verification (``docs/certificates.md`` §2, rule 1): accept iff ``argmax q = x0``.
+    """Strict greedy verification: accept iff ``argmax q = x0``.
+
+    Source: ``docs/certificates.md`` §2, rule 1.
 
     ``U = {x0}``, ``L`` = all other tokens, ``m = 1``. ``C_p < log 2``.
     """
@@ -101,7 +103,9 @@ class StrictGreedy(_RuleBase):
 
 @dataclasses.dataclass(frozen=True)
 class Additive(_RuleBase):
-    """Additive relaxation (``docs/certificates.md`` §2, rule 2): accept ``x`` iff ``p_x >= p_x0 - t``.
+    """Additive relaxation: accept ``x`` iff ``p_x >= p_x0 - t``.
+
+    Source: ``docs/certificates.md`` §2, rule 2.
 
     Attributes:
       t: the additive slack, a probability in ``(0, 1]``.
@@ -123,7 +127,9 @@ class Additive(_RuleBase):
 
 @dataclasses.dataclass(frozen=True)
 class Multiplicative(_RuleBase):
-    """Multiplicative relaxation (``docs/certificates.md`` §2, rule 3): accept ``x`` iff ``p_x >= alpha p_x0``.
+    """Multiplicative relaxation: accept ``x`` iff ``p_x >= alpha p_x0``.
+
+    Source: ``docs/certificates.md`` §2, rule 3.
 
     Attributes:
       alpha: the ratio, in ``(0, 1)``.
@@ -145,7 +151,9 @@ class Multiplicative(_RuleBase):
 
 @dataclasses.dataclass(frozen=True)
 class TargetTopK(_RuleBase):
-    """Target top-k acceptance (``docs/certificates.md`` §2, rule 4): accept ``x`` iff it is in the top-k of ``p``.
+    """Target top-k acceptance: accept ``x`` iff it is in the top-k of ``p``.
+
+    Source: ``docs/certificates.md`` §2, rule 4.
 
     Attributes:
       k: how many target tokens are accepted, an integer ``>= 1``.

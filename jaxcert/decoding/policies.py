@@ -296,8 +296,8 @@ class DrafterFeatures:
 def drafter_features(q_logits: jax.Array) -> DrafterFeatures:
     """Features of ``softmax(q_logits)``: ``[B, V]`` float logits -> ``[B]`` fields.
 
-    ``cert`` is the exact strict-greedy certificate of ``docs/certificates.md`` §5, rule 1, in closed form
-    from the top two probabilities: ``C_1 = s phi(gamma / s)`` with ``s = q1 + q2`` and
+    ``cert`` is the exact strict-greedy certificate of ``docs/certificates.md`` §5, rule 1, in
+    closed form from the top two probabilities: ``C_1 = s phi(gamma / s)`` with ``s = q1 + q2`` and
     ``gamma = q1 - q2`` (the value :func:`jaxcert.certificate` returns for ``StrictGreedy``;
     tested equal), evaluated without cancellation.
     """
