@@ -239,17 +239,19 @@ def speculative_decode(
     """
     check_pair(target, drafter)
     vocab_size = _vocab_size(target)
+    rows = len(prompts)
+    prompt, lengths = _padded(prompts, prompt_width, 2, vocab_size)  # validates the prompts
     models.check_context_length(
         {"target": target, "drafter": drafter},
-        prompt_tokens=max((len(p) for p in prompts), default=0),
+        prompt_tokens=int(np.max(jax.device_get(lengths))),
         new_tokens=config.max_new_tokens,
         draft_positions=config.depth,
     )
     (target, drafter), placement = _on_mesh((target, drafter), mesh)
     t_graph, t_params = split_model(target)
     d_graph, d_params = split_model(drafter)
-    rows = len(prompts)
-    prompt, lengths = _padded(prompts, prompt_width, 2, vocab_size, placement)
+    if placement is not None:
+        prompt, lengths = _padded(prompts, prompt_width, 2, vocab_size, placement)
     key = jax.random.key(0) if key is None else key
     sizes = Sizes.for_prompts(prompt.shape[1], config, config.max_new_tokens)
     params = policies_lib.PolicyParams.from_policy(policy)
@@ -312,16 +314,18 @@ def target_decode(
     """
     check_sampling(temperature, top_p)
     check_int("max_new_tokens", max_new_tokens)
+    vocab_size = _vocab_size(target)
+    rows = len(prompts)
+    prompt, lengths = _padded(prompts, prompt_width, 1, vocab_size)  # validates the prompts
     models.check_context_length(
         {"target": target},
-        prompt_tokens=max((len(p) for p in prompts), default=0),
+        prompt_tokens=int(np.max(jax.device_get(lengths))),
         new_tokens=max_new_tokens,
     )
-    vocab_size = _vocab_size(target)
     (target,), placement = _on_mesh((target,), mesh)
     graph, params = split_model(target)
-    rows = len(prompts)
-    prompt, lengths = _padded(prompts, prompt_width, 1, vocab_size, placement)
+    if placement is not None:
+        prompt, lengths = _padded(prompts, prompt_width, 1, vocab_size, placement)
     key = _replicated(jax.random.key(0) if key is None else key, placement)
     sizes = Sizes.for_prompts(prompt.shape[1], None, max_new_tokens)
     t0 = time.perf_counter()
