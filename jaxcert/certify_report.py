@@ -91,7 +91,7 @@ def run_lengths(
     for name in columns:
         values = np.zeros(shape, np.float64)
         values[:, segment, offset] = table.column(name).to_numpy(zero_copy_only=False)
-        runs = np.asarray(bounds.certified_run_length(values, eps, where=mask))  # [E, P, T]
+        runs = np.asarray(bounds.certified_run_length(values, eps, where=mask[None]))  # [E, P, T]
         row = {"column": name}
         for e, budget in enumerate(budgets):
             row[f"eps={budget:g}"] = float(runs[e][mask].mean()) if mask.any() else math.nan

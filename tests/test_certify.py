@@ -85,7 +85,7 @@ def test_stop_at_eos_and_min_prompt_tokens(lm):
     for pid in set(rows["prompt_id"]):
         tokens = [t for p, t in zip(rows["prompt_id"], rows["token"], strict=True) if p == pid]
         assert not any(t in eos for t in tokens[:-1])  # nothing recorded after an end of turn
-    with pytest.raises(ValueError, match="the model supports 512"):
+    with pytest.raises(ValueError, match="the target supports 512"):
         certify.certify_prompts(lm, prompt_set, RULES, certify.CertifyOptions(steps=600))
     options = certify.CertifyOptions(steps=2, max_prompt_tokens=cutoff)
     table, info = certify.certify_prompts(lm, prompt_set, RULES[:1], options)

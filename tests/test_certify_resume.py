@@ -152,7 +152,7 @@ def test_refusals_and_nothing_left_behind(
     # A run that fails before its first result leaves nothing behind.
     fresh = tmp_path / "fresh"
     assert cli.main(_args(checkpoint, many_prompts, fresh, "--steps", "600")) == 2
-    assert "the model supports 512" in capsys.readouterr().err
+    assert "the target supports 512" in capsys.readouterr().err
     assert not fresh.exists()
 
 

@@ -33,6 +33,7 @@ def test_public_surface():
             "LoadedModel",
             "ModelConfig",
             "Transformer",
+            "check_context_length",
             "check_same_vocabulary",
             "config_of",
             "decode_step",
