@@ -19,6 +19,24 @@ for folder in (_HERE, _HERE / "models"):
 os.environ.setdefault("JAXCERT_COMPILE_CACHE", tempfile.mkdtemp(prefix="jaxcert-xla-"))
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--run-slow",
+        action="store_true",
+        help="also run the tests marked slow (multi-device and multi-process runs, the widest "
+        "vocabularies); CI and the README's test command do",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--run-slow"):
+        return
+    skip = pytest.mark.skip(reason="slow: run with --run-slow (CI does)")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
 # A tiny checkpoint and four short prompts for the CLI tests that compare runs (mesh, processes).
 
 

@@ -194,6 +194,7 @@ def tiny(tmp_path_factory):
     return path, models.load(str(path))
 
 
+@pytest.mark.slow
 def test_a_real_engine_transformers_gives_the_certificates_of_jaxcert_certify(tiny, tmp_path):
     """transformers (PyTorch, CPU) generates greedily with ``output_logits``; its logits as
     a dense dump and as OpenAI-style top-20 records give jaxcert certify's certificates."""

@@ -127,6 +127,7 @@ def test_parts_merge_into_the_one_process_table(checkpoint):
 # 8 virtual CPU devices
 
 
+@pytest.mark.slow
 def test_certify_on_8_devices_equals_one_device(checkpoint, prompt_file, tmp_path):
     base = {}
     for batch in (1, 8):  # one-device runs in this process
@@ -157,6 +158,7 @@ def test_certify_on_8_devices_equals_one_device(checkpoint, prompt_file, tmp_pat
             assert_same_table(table, base[8], exact=False)
 
 
+@pytest.mark.slow
 def test_decode_on_4_devices_matches_one_device(tmp_path, monkeypatch):
     """Greedy speculative decoding gives the same tokens and certificates on a 2 x 2 mesh."""
     target = tiny_lm.save_tiny_checkpoint(tmp_path / "target", seed=0)

@@ -73,6 +73,7 @@ def _distributed(base: list[str], n: int) -> list[list[str]]:
     return [base + flags + ["--process-id", str(i)] for i in range(n)]
 
 
+@pytest.mark.slow
 def test_two_processes_write_the_one_process_table(checkpoint, prompt_file, tmp_path):
     one = tmp_path / "one"
     assert cli.main(_args(checkpoint, prompt_file, one)) == 0  # one process, this one
@@ -94,6 +95,7 @@ def test_two_processes_write_the_one_process_table(checkpoint, prompt_file, tmp_
     ]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_a_failing_process_stops_the_others(checkpoint, prompt_file, tmp_path):
     """Process 1 cannot read its prompts: both processes exit with a clear error, no hang."""
     argvs = _distributed(_args(checkpoint, prompt_file, tmp_path / "out"), 2)

@@ -152,6 +152,7 @@ def test_float64_certificates_and_q_star_to_1e12():
             )
 
 
+@pytest.mark.slow
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(vocab=st.sampled_from([17, 300]), seed=st.integers(0, 2**31))
 def test_batched_equals_unbatched_and_jit_equals_eager(vocab, seed):

@@ -135,7 +135,8 @@ def test_vocabulary_mismatch_is_rejected(pair, tmp_path):
         training.collect_features(target, other, [prompts.Prompt("0", "a")], steps=2)
 
 
-def test_cli_train_drafter_end_to_end(tmp_path, capsys):
+@pytest.mark.slow
+def test_cli_train_drafter_end_to_end(tmp_path):
     import json
 
     from jaxcert import cli
@@ -166,6 +167,21 @@ def test_cli_train_drafter_end_to_end(tmp_path, capsys):
                    "--prompts", str(path), "--train-steps", "3", "--width", "16",
                    "--decode-tokens", "0", *again])  # fmt: skip
     assert rc == 0
+    # Features of other prompts are refused before any training.
+    rc = cli.main(["train-drafter", "--target", str(target), "--drafter", str(drafter),
+                   "--prompts", str(path), "--max-prompts", "2", *again])  # fmt: skip
+    assert rc == 2
+
+
+def test_cli_train_drafter_refuses_runs_past_the_context_length(tmp_path, capsys):
+    import json
+
+    from jaxcert import cli
+
+    target = tiny_lm.save_tiny_checkpoint(tmp_path / "t", seed=1)
+    drafter = tiny_lm.save_tiny_checkpoint(tmp_path / "d", seed=2, layers=1)
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in TEXTS))
     # A run past the model's 512 positions is refused before anything compiles: the
     # continuations (--continuation) and the decoder phase (--decode-tokens plus the draft).
     for flag, value in (("--continuation", "600"), ("--decode-tokens", "509")):
@@ -174,10 +190,6 @@ def test_cli_train_drafter_end_to_end(tmp_path, capsys):
                        "--out", str(tmp_path / "long")])  # fmt: skip
         assert rc == 2
         assert "supports 512" in capsys.readouterr().err
-    # Features of other prompts are refused before any training.
-    rc = cli.main(["train-drafter", "--target", str(target), "--drafter", str(drafter),
-                   "--prompts", str(path), "--max-prompts", "2", *again])  # fmt: skip
-    assert rc == 2
 
 
 @pytest.mark.parametrize(

@@ -101,6 +101,7 @@ def _check(report):
         assert diff < 1e-5, (field, diff)
 
 
+@pytest.mark.slow
 def test_batch_sharded_target_decodes_like_one_device():
     report = run(_PRELUDE + _BATCH_SNIPPET)
     _check(report)
@@ -109,6 +110,7 @@ def test_batch_sharded_target_decodes_like_one_device():
     assert target_cache[0] == drafter_cache[0] == tokens[0] == "data"
 
 
+@pytest.mark.slow
 def test_tensor_parallel_target_decodes_like_one_device():
     report = run(_PRELUDE + _TENSOR_SNIPPET)
     _check(report)

@@ -152,6 +152,7 @@ print(json.dumps(report))
 """
 
 
+@pytest.mark.slow
 def test_shard_splits_params_cache_and_logits_like_one_device():
     report = run(_SHARD_SNIPPET)
     e, v, f, d = 32, 64, 64, 8
@@ -236,6 +237,7 @@ print(json.dumps(report))
 """
 
 
+@pytest.mark.slow
 def test_loaders_put_each_tensor_directly_on_its_shards():
     """HF folder and GGUF file (qwen3: untied, q/k norms, 2 KV heads) loaded onto the mesh."""
     report = run(_LOAD_SNIPPET)
