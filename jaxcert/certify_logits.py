@@ -36,6 +36,7 @@ is too short for that rule at that position (a longer ``top_logprobs`` helps).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -244,6 +245,23 @@ def entropy_bounds(top_p: np.ndarray, vocab_size: int | None) -> tuple[np.ndarra
     return lower, np.maximum(upper, lower)
 
 
+@functools.partial(jax.jit, static_argnames=("rule", "vocab"))
+def _window_certificate(top_x, entropy, *, rule, vocab: int):
+    """The solver's window path on sorted top log-probabilities ``[N, K]`` (``K`` = the
+    window), one compiled program per rule and shape instead of op-by-op dispatch."""
+    window = top_x.shape[1]
+    prep = solver._Prepared(
+        x=top_x,
+        valid=jnp.ones(top_x.shape[0], bool),
+        top_x=top_x,
+        top_i=jnp.broadcast_to(jnp.arange(window, dtype=jnp.int32), top_x.shape),
+        log_p_max=top_x[:, 0],
+        entropy=entropy,
+    )
+    sol, _ = solver._solve_window(prep, rule, window, vocab)
+    return solver._finish(prep, sol, False, None).value
+
+
 def certify_top_logprobs(
     logprobs, rules: Sequence, *, vocab_size: int | None = None
 ) -> dict[str, np.ndarray]:
@@ -332,16 +350,11 @@ def certify_top_logprobs(
                 rules_lib.in_upper_set(rule, -jnp.inf, log_p_max, jnp.asarray(h_hi, jnp.float32))
             )
             determined = determined | everything
-        prep = solver._Prepared(
-            x=top_x,
-            valid=jnp.ones(len(x), bool),
-            top_x=top_x,
-            top_i=jnp.broadcast_to(jnp.arange(window, dtype=jnp.int32), top_x.shape),
-            log_p_max=log_p_max,
-            entropy=None if entropy is None else jnp.asarray(entropy, jnp.float32),
+        h = np.zeros(len(x), np.float32) if entropy is None else entropy
+        value = np.asarray(
+            _window_certificate(top_x, jnp.asarray(h, jnp.float32), rule=rule, vocab=vocab),
+            np.float64,
         )
-        sol, _ = solver._solve_window(prep, rule, window, vocab)
-        value = np.asarray(solver._finish(prep, sol, False, None).value, np.float64)
         if rule.static_upper_size is None:
             value = np.where(everything, np.inf, value)
         out[rule_column(rule)] = np.where(determined, value, np.nan)

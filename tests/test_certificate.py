@@ -184,7 +184,7 @@ def test_slsqp_bruteforce(vocab, x64):
             assert _close(cert.value[row], want, 1e-6, 1e-9), (rule, p[row])
 
 
-@pytest.mark.parametrize("vocab", [4, 50, 3000])
+@pytest.mark.parametrize("vocab", [4, 50, pytest.param(3000, marks=pytest.mark.slow)])
 def test_float32_close_to_float64_on_same_input(vocab, x64):
     rng = np.random.default_rng(vocab)
     p = _random_distributions(rng, vocab, 18)
@@ -229,8 +229,12 @@ def _flat_top(rng, vocab, n_flat, spread):
     return p / p.sum()
 
 
-@pytest.mark.parametrize("row_by_row", [True, False], ids=["cpu-rows", "batched"])
-@pytest.mark.parametrize("top_k", [4, 16])
+@pytest.mark.parametrize(
+    "row_by_row",
+    [True, pytest.param(False, marks=pytest.mark.slow)],  # the accelerators' path: slow on CPU
+    ids=["cpu-rows", "batched"],
+)
+@pytest.mark.parametrize("top_k", [4, pytest.param(16, marks=pytest.mark.slow)])
 def test_exact_fallback_on_large_vocab(top_k, row_by_row, x64, monkeypatch, request):
     # batched: the accelerators' exact path (every row at once), forced on CPU.
     monkeypatch.setattr(solver, "_ROW_BY_ROW_EXACT_PATH", row_by_row)
@@ -263,6 +267,7 @@ def test_exact_fallback_on_large_vocab(top_k, row_by_row, x64, monkeypatch, requ
                     np.testing.assert_allclose(cert.q_star[row], ref.q_star, rtol=1e-9, atol=1e-15)
 
 
+@pytest.mark.slow
 def test_leading_shape_jit_and_vmap_agree():
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(0, 2, (2, 3, 50)), jnp.float32)

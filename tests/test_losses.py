@@ -172,6 +172,7 @@ def test_gradients_finite_on_extreme_inputs(kind):
         assert np.all(np.isfinite(gd)) and np.all(np.isfinite(gt)), (rule, kind)
 
 
+@pytest.mark.slow
 def test_bfloat16_jit_and_vmap():
     d, t = _pair(8, shape=(3, 4, 20))
     rule = R.TreeCoverage(2)
