@@ -1,25 +1,37 @@
-"""Speculative decoding benchmark on real models: target-only vs policies x draft shapes.
+"""Speculative decoding benchmark on real models: target-only vs draft shapes x policies.
 
-Loads the target and the drafter once, encodes MT-Bench first turns with the chat template and,
-for every temperature, decodes each prompt with the target alone and with every (draft shape,
-policy) pair, interleaved prompt by prompt so that all configurations see the same machine
-state (the target-only run is repeated before and after each prompt's speculative runs and
-averaged). Compilation is ahead of time and excluded from the timings.
+Loads the target and the drafter once, encodes MT-Bench first turns (by default 3 of each of
+the 8 categories, none of the prompts the ``cert`` policy was tuned on) with the chat
+template and, for every temperature, decodes each prompt with the target alone and with every
+(draft shape, policy) pair, interleaved prompt by prompt so that every configuration sees the
+same machine state (the target-only run is repeated before and after each prompt's
+speculative runs and averaged). Compilation is ahead of time and excluded from the timings;
+every program is compiled before the first timed run (a warm-up on the first prompt).
 
-Temperature 0 uses strict greedy verification (the outputs must equal target-only greedy
-decoding: checked and reported); temperature > 0 uses speculative sampling.
+Per configuration: the speedup over target-only (ratio of total tokens/s) with a 95%
+bootstrap interval over prompts, the acceptance length, and at T = 0 whether every output
+equals target-only greedy decoding. Pairs of configurations are compared by a paired
+bootstrap of their speedup ratio over prompts; a difference is called significant when the
+interval of the ratio excludes 1.
+
+Also (``--batch-sizes``): tokens/s of whole batches for target-only and the best
+configuration; and (``--hf-peer``) Hugging Face transformers on the same GGUF pair, same token
+ids, greedy, 2 threads: target-only and assisted generation (heuristic and constant
+schedules).
 
 Example (the README table)::
 
-  python scripts/bench_decode.py --max-new-tokens 96 --temperatures 0,1
+  python scripts/bench_decode.py --max-new-tokens 128 --temperatures 0,1 \\
+      --batch-sizes 1,4,8 --hf-peer
 
-Prints a markdown table and writes a JSON file (``--out``).
+Prints markdown tables and writes a JSON file (``--out``).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import pathlib
 import sys
@@ -27,14 +39,14 @@ import time
 
 import jax
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from jaxcert import decoding, models, prompts
-from jaxcert._validate import round_up
 from jaxcert.decoding import run_report
 
 DEFAULT_POLICIES = "constant:4,heuristic,confidence:0.4,svip:0.3,cert"
+DEFAULT_SHAPES = "chain,tree:2x4,dyntree:4x6x24"
+# The cert policy's tuning prompts (README): never benchmarked.
+TUNING = {4, 5, 6, 7} | set(range(5, 80, 10))
 
 
 def _args(argv=None):
@@ -43,28 +55,45 @@ def _args(argv=None):
     p.add_argument("--drafter", default="qwen2.5-coder-0.5b-instruct")
     p.add_argument("--prompts", default="mtbench")
     p.add_argument(
-        "--prompt-indices",
-        default="0,20,40,60",
-        help="prompts to use, by index (MT-Bench: writing, reasoning, coding, STEM; the "
-        "cert policy was tuned on other prompts)",
+        "--per-category",
+        type=int,
+        default=3,
+        help="prompts per MT-Bench category (the first ones not used for tuning)",
     )
-    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--prompt-indices", default=None, help="explicit prompt indices instead")
+    p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperatures", default="0,1")
     p.add_argument("--policies", default=DEFAULT_POLICIES)
-    p.add_argument("--shapes", default="chain,tree:2x4", help="chain, tree:MxD, dyntree:MxDxN")
+    p.add_argument("--shapes", default=DEFAULT_SHAPES, help="chain, tree:MxD, dyntree:MxDxN")
     p.add_argument("--max-draft", type=int, default=40, help="deepest chain (policy cap)")
     p.add_argument(
         "--buckets",
         default="1,2,3,4,5,6,7,8,10,12,16,24,32,40",
         help="chain verification widths (drafted tokens); trees use their levels",
     )
-    p.add_argument("--certificates", action="store_true", help="also compute certificates")
-    p.add_argument("--nodes", type=pathlib.Path, default=None,
-                   help="write every drafted node's statistics to this Parquet file")  # fmt: skip
+    p.add_argument("--batch-sizes", default="", help="e.g. 1,4,8: whole-batch throughput")
+    p.add_argument("--hf-peer", action="store_true", help="also time transformers (PyTorch)")
+    p.add_argument("--hf-threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("jaxcert-out/bench.json"),
-                   help="JSON results (default jaxcert-out/bench.json)")  # fmt: skip
+    p.add_argument(
+        "--out",
+        type=pathlib.Path,
+        default=pathlib.Path("jaxcert-out/bench.json"),
+        help="JSON results (default jaxcert-out/bench.json)",
+    )
     return p.parse_args(argv)
+
+
+def _select(prompt_set, args) -> list:
+    if args.prompt_indices:
+        return [prompt_set[int(i)] for i in args.prompt_indices.split(",")]
+    chosen, per = [], {}
+    for i, p in enumerate(prompt_set):
+        if i in TUNING or per.get(p.category, 0) >= args.per_category:
+            continue
+        per[p.category] = per.get(p.category, 0) + 1
+        chosen.append(p)
+    return chosen
 
 
 def _config(shape: str, temperature: float, args, eos) -> decoding.DecodeConfig:
@@ -80,39 +109,257 @@ def _config(shape: str, temperature: float, args, eos) -> decoding.DecodeConfig:
         max_draft=args.max_draft,
         temperature=temperature,
         eos_ids=eos,
-        collect_stats=args.certificates,
+        collect_stats=False,
         buckets=buckets,
     )
 
 
 @dataclasses.dataclass
-class _Tally:
-    tokens: int = 0
-    decode_s: float = 0.0
-    compile_s: float = 0.0
-    identical: int = 0
-    runs: int = 0
+class _Runs:
+    """Per-prompt tokens and decode seconds of one configuration (and its round stats)."""
+
+    tokens: list = dataclasses.field(default_factory=list)
+    seconds: list = dataclasses.field(default_factory=list)
+    identical: list = dataclasses.field(default_factory=list)
     stats: list = dataclasses.field(default_factory=list)
 
-    def add(self, out, reference=None):
-        self.tokens += out.num_tokens
-        self.decode_s += out.decode_s
-        self.compile_s += out.compile_s
-        self.runs += 1
-        if out.stats is not None:
-            self.stats.append(out.stats)
-        if reference is not None:
-            self.identical += int(np.array_equal(out.tokens[0], reference))
+    def add(self, tokens: int, seconds: float, stats=None, identical=None):
+        self.tokens.append(tokens)
+        self.seconds.append(seconds)
+        if stats is not None:
+            self.stats.append(stats)
+        if identical is not None:
+            self.identical.append(identical)
 
     @property
     def rate(self) -> float:
-        return self.tokens / self.decode_s
+        return float(np.sum(self.tokens) / np.sum(self.seconds))
 
-    def summary(self) -> dict:
-        merged = None
-        if self.stats:
-            merged = jax.tree.map(lambda *xs: np.concatenate(xs, axis=0), *self.stats)
-        return run_report.summarize_run(merged, self.tokens, self.decode_s)
+
+def _paired_ratio(a: _Runs, b: _Runs, base: _Runs, samples=4000, seed=0):
+    """Speedup of ``a`` over ``b`` (both against ``base``) with a paired 95% bootstrap
+    interval over prompts: ``(ratio, low, high)``."""
+    at, as_, bt, bs = (np.asarray(x, float) for x in (a.tokens, a.seconds, b.tokens, b.seconds))
+    ratio = (at.sum() / as_.sum()) / (bt.sum() / bs.sum())
+    idx = np.random.default_rng(seed).integers(0, at.size, (samples, at.size))
+    r = (at[idx].sum(1) / as_[idx].sum(1)) / (bt[idx].sum(1) / bs[idx].sum(1))
+    low, high = np.percentile(r, [2.5, 97.5])
+    return float(ratio), float(low), float(high)
+
+
+def _decode_all(target, drafter, encoded, args, eos, temperatures, policies, shapes, log):
+    width = decoding.bucket(max(len(e) for e in encoded))
+    results: dict = {}
+    key = jax.random.key(args.seed)
+    for temperature in temperatures:
+        configs = {shape: _config(shape, temperature, args, eos) for shape in shapes}
+        kw = dict(
+            max_new_tokens=args.max_new_tokens,
+            temperature=temperature,
+            eos_ids=eos,
+            prompt_width=width,
+        )
+        # Warm-up: compile every program on the first prompt, untimed.
+        t0, before = time.perf_counter(), decoding.compilations()
+        decoding.target_decode(target, [encoded[0]], **kw)
+        for shape in shapes:
+            for policy in policies:
+                decoding.speculative_decode(
+                    target,
+                    drafter,
+                    [encoded[0]],
+                    policy=policy,
+                    config=configs[shape],
+                    prompt_width=width,
+                )
+        log(
+            f"[bench] T={temperature}: compiled {decoding.compilations() - before} programs in "
+            f"{time.perf_counter() - t0:.0f} s (warm-up)"
+        )
+        base = results.setdefault((temperature, "target", "-"), _Runs())
+        for i, prompt in enumerate(encoded):
+            key, sub = jax.random.split(key)
+            first = decoding.target_decode(target, [prompt], key=sub, **kw)
+            outs = {}
+            for shape in shapes:
+                for policy in policies:
+                    key, sub = jax.random.split(key)
+                    outs[shape, policy.spec] = decoding.speculative_decode(
+                        target,
+                        drafter,
+                        [prompt],
+                        policy=policy,
+                        config=configs[shape],
+                        key=sub,
+                        prompt_width=width,
+                    )
+            again = decoding.target_decode(target, [prompt], key=sub, **kw)
+            seconds = (first.decode_s + again.decode_s) / 2
+            base.add(first.num_tokens, seconds)
+            for (shape, spec), out in outs.items():
+                same = bool(np.array_equal(out.tokens[0], first.tokens[0]))
+                results.setdefault((temperature, shape, spec), _Runs()).add(
+                    out.num_tokens, out.decode_s, out.stats, same if temperature == 0 else None
+                )
+            best = max(outs.items(), key=lambda kv: kv[1].num_tokens / kv[1].decode_s)
+            log(
+                f"[bench] T={temperature} prompt {i + 1}/{len(encoded)}: target "
+                f"{first.num_tokens / seconds:.2f} tok/s, best {best[0]} "
+                f"{best[1].num_tokens / best[1].decode_s:.2f} tok/s"
+            )
+    return results, width
+
+
+def _rows(results):
+    rows = []
+    for (temperature, shape, policy), runs in results.items():
+        base = results[(temperature, "target", "-")]
+        speedup, low, high = run_report.bootstrap_speedup(
+            base.tokens, base.seconds, runs.tokens, runs.seconds
+        )
+        row = {
+            "temperature": temperature,
+            "shape": shape,
+            "policy": policy,
+            "prompts": len(runs.tokens),
+            "tokens_per_s": round(runs.rate, 3),
+            "speedup": round(speedup, 3),
+            "ci95": [round(low, 3), round(high, 3)],
+        }
+        if runs.stats:
+            merged = jax.tree.map(lambda *xs: np.concatenate(xs, axis=0), *runs.stats)
+            s = run_report.summarize_run(merged, int(np.sum(runs.tokens)), 1.0)
+            row |= {
+                k: s[k]
+                for k in ("mean_accepted", "tokens_per_round", "acceptance_rate", "mean_drafted")
+                if k in s
+            }
+        if runs.identical:
+            row["identical"] = f"{sum(runs.identical)}/{len(runs.identical)}"
+        rows.append(row)
+    return rows
+
+
+def _comparisons(results, temperatures, shapes):
+    """cert vs svip per shape, svip vs constant, best vs the rest: paired intervals."""
+    out = []
+    for t in temperatures:
+        base = results[(t, "target", "-")]
+        for shape in shapes:
+            specs = {p for (tt, s, p) in results if tt == t and s == shape}
+            pairs = [("cert", "svip:0.3"), ("svip:0.3", "constant:4")]
+            for a, b in pairs:
+                if a in specs and b in specs:
+                    ratio, low, high = _paired_ratio(
+                        results[t, shape, a], results[t, shape, b], base
+                    )
+                    out.append(
+                        {
+                            "temperature": t,
+                            "shape": shape,
+                            "a": a,
+                            "b": b,
+                            "ratio": round(ratio, 3),
+                            "ci95": [round(low, 3), round(high, 3)],
+                            "significant": bool(low > 1 or high < 1),
+                        }
+                    )
+    return out
+
+
+def _batches(target, drafter, encoded, args, eos, best, width, log):
+    """Whole-batch tokens/s of target-only and the best configuration (T = 0)."""
+    rows = []
+    shape, spec = best
+    config = _config(shape, 0.0, args, eos)
+    policy = decoding.parse_policy(spec)
+    for b in (int(x) for x in args.batch_sizes.split(",") if x):
+        usable = len(encoded) // b * b
+        batches = [encoded[i : i + b] for i in range(0, usable, b)]
+        for name in ("target", "speculative"):
+            tokens = seconds = 0.0
+            for j, batch in enumerate(batches):
+                if name == "target":
+                    out = decoding.target_decode(
+                        target,
+                        batch,
+                        max_new_tokens=args.max_new_tokens,
+                        eos_ids=eos,
+                        prompt_width=width,
+                    )
+                else:
+                    out = decoding.speculative_decode(
+                        target, drafter, batch, policy=policy, config=config, prompt_width=width
+                    )
+                if j == 0 and out.compiled:  # a new shape: its first batch is a warm-up
+                    continue
+                tokens += out.num_tokens
+                seconds += out.decode_s
+            rows.append(
+                {
+                    "batch": b,
+                    "run": name if name == "target" else f"{shape} {spec}",
+                    "tokens_per_s": round(tokens / seconds, 3) if seconds else None,
+                }
+            )
+            log(f"[bench] batch {b} {name}: {rows[-1]['tokens_per_s']} tok/s")
+    return rows
+
+
+def _hf_peer(args, encoded, log):
+    """transformers' greedy target-only and assisted generation on the same GGUF files."""
+    import torch
+    import transformers
+
+    from jaxcert import assets
+
+    torch.set_num_threads(args.hf_threads)
+    paths = [pathlib.Path(assets.fetch(name)) for name in (args.target, args.drafter)]
+    load = lambda p: transformers.AutoModelForCausalLM.from_pretrained(  # noqa: E731
+        p.parent, gguf_file=p.name, dtype=torch.float32
+    ).eval()
+    target, drafter = load(paths[0]), load(paths[1])
+    rows = []
+    runs = {
+        "target": {},
+        "assisted heuristic": {"num_assistant_tokens_schedule": "heuristic"},
+        "assisted constant": {"num_assistant_tokens_schedule": "constant"},
+    }
+    for name, options in runs.items():
+        tokens, seconds = [], []
+        for ids in encoded:
+            x = torch.tensor([ids])
+            kw = dict(
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=args.max_new_tokens,
+                do_sample=False,
+            )
+            if name != "target":
+                drafter.generation_config.num_assistant_tokens_schedule = options[
+                    "num_assistant_tokens_schedule"
+                ]
+                kw["assistant_model"] = drafter
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                out = target.generate(x, **kw)
+            seconds.append(time.perf_counter() - t0)
+            tokens.append(out.shape[1] - len(ids))
+        rows.append(
+            {
+                "run": f"transformers {name}",
+                "tokens": tokens,
+                "seconds": seconds,
+                "tokens_per_s": round(float(np.sum(tokens) / np.sum(seconds)), 3),
+            }
+        )
+        log(f"[bench] transformers {name}: {rows[-1]['tokens_per_s']} tok/s")
+    base = rows[0]
+    for row in rows:
+        s, low, high = run_report.bootstrap_speedup(
+            base["tokens"], base["seconds"], row["tokens"], row["seconds"]
+        )
+        row |= {"speedup": round(s, 3), "ci95": [round(low, 3), round(high, 3)]}
+    return rows
 
 
 def main(argv=None) -> int:
@@ -120,93 +367,88 @@ def main(argv=None) -> int:
     temperatures = [float(t) for t in args.temperatures.split(",")]
     policies = [decoding.parse_policy(s) for s in args.policies.split(",")]
     shapes = args.shapes.split(",")
+    log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
     t0 = time.perf_counter()
     target = models.load(args.target)
     drafter = models.load(args.drafter)
     decoding.check_pair(target, drafter)
     load_s = time.perf_counter() - t0
     eos = target.eos_ids
-    prompt_set = prompts.load_prompts(args.prompts)
-    prompt_set = [prompt_set[int(i)] for i in args.prompt_indices.split(",")]
+    prompt_set = _select(prompts.load_prompts(args.prompts), args)
     encoded = prompts.encode_prompts(target.tokenizer, prompt_set)
-    width = round_up(max(len(e) for e in encoded), 16)
-    log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
-    log(f"[bench] loaded in {load_s:.0f} s; {len(encoded)} prompts ({[len(e) for e in encoded]} "
-        f"tokens); {len(shapes)} shapes x {len(policies)} policies x {temperatures}")  # fmt: skip
-    key = jax.random.key(args.seed)
-    results: dict = {}
-    drafter_only = _Tally()
-    node_tables = []
-    for temperature in temperatures:
-        base = results.setdefault((temperature, "target", "-"), _Tally())
-        configs = {shape: _config(shape, temperature, args, eos) for shape in shapes}
-        for i, prompt in enumerate(encoded):
-            key, sub = jax.random.split(key)
-            kw = dict(max_new_tokens=args.max_new_tokens, temperature=temperature,
-                      eos_ids=eos, prompt_width=width)  # fmt: skip
-            first = decoding.target_decode(target, [prompt], key=sub, **kw)
-            base.add(first)
-            if temperature == temperatures[0]:
-                drafter_only.add(decoding.target_decode(drafter, [prompt], key=sub, **kw))
-            for shape in shapes:
-                for policy in policies:
-                    key, sub = jax.random.split(key)
-                    out = decoding.speculative_decode(
-                        target, drafter, [prompt], policy=policy, config=configs[shape],
-                        key=sub, prompt_width=width,
-                    )  # fmt: skip
-                    tally = results.setdefault((temperature, shape, policy.spec), _Tally())
-                    tally.add(out, first.tokens[0] if temperature == 0 else None)
-                    if args.nodes is not None:
-                        table = run_report.node_table(out.stats, [prompt_set[i].id])
-                        extra = {"temperature": temperature, "shape": shape,
-                                 "policy": policy.spec}  # fmt: skip
-                        for name, value in extra.items():
-                            table = table.append_column(name, pa.array([value] * len(table)))
-                        node_tables.append(table)
-                    log(f"[bench] T={temperature} prompt {i} {shape} {policy.spec}: "
-                        f"{out.num_tokens / out.decode_s:.2f} tok/s "
-                        f"(target {first.num_tokens / first.decode_s:.2f}), "
-                        f"compile {out.compile_s:.0f} s")  # fmt: skip
-            base.add(decoding.target_decode(target, [prompt], key=sub, **kw))
-    rows = []
-    for (temperature, shape, policy), tally in results.items():
-        base = results[(temperature, "target", "-")]
-        s = tally.summary()
-        rows.append({
-            "temperature": temperature, "shape": shape, "policy": policy,
-            "tokens_per_s": round(tally.rate, 3), "speedup": round(tally.rate / base.rate, 3),
-            "identical": f"{tally.identical}/{tally.runs}" if temperature == 0 and shape != "target"
-            else "", "compile_s": round(tally.compile_s, 1), **{k: v for k, v in s.items()
-            if k not in ("tokens_per_s",)},
-        })  # fmt: skip
-    t_tok = results[(temperatures[0], "target", "-")]
-    cost_ratio = (drafter_only.decode_s / drafter_only.tokens) / (t_tok.decode_s / t_tok.tokens)
-    print(_table(rows, cost_ratio))
-    meta = {"command": " ".join(sys.argv), "target": str(target.path), "drafter": str(drafter.path),
-            "prompts": [p.id for p in prompt_set], "max_new_tokens": args.max_new_tokens,
-            "drafter_target_cost_ratio": round(cost_ratio, 3),
-            "drafter_tokens_per_s": round(drafter_only.rate, 3), "load_s": round(load_s, 1),
-            "total_s": round(time.perf_counter() - t0, 1)}  # fmt: skip
+    log(
+        f"[bench] loaded in {load_s:.0f} s; {len(encoded)} prompts; {len(shapes)} shapes x "
+        f"{len(policies)} policies x T in {temperatures}"
+    )
+    results, width = _decode_all(
+        target, drafter, encoded, args, eos, temperatures, policies, shapes, log
+    )
+    rows = _rows(results)
+    comparisons = _comparisons(results, temperatures, shapes)
+    greedy = [r for r in rows if r["temperature"] == 0 and r["shape"] != "target"]
+    best = max(greedy, key=lambda r: r["speedup"]) if greedy else None
+    batch_rows = []
+    if args.batch_sizes and best is not None:
+        batch_rows = _batches(
+            target, drafter, encoded, args, eos, (best["shape"], best["policy"]), width, log
+        )
+    hf_rows = []
+    if args.hf_peer:
+        del target, drafter
+        gc.collect()
+        hf_rows = _hf_peer(args, encoded, log)
+    print(_tables(rows, comparisons, batch_rows, hf_rows))
+    meta = {
+        "command": " ".join(sys.argv),
+        "prompts": [p.id for p in prompt_set],
+        "max_new_tokens": args.max_new_tokens,
+        "load_s": round(load_s, 1),
+        "total_s": round(time.perf_counter() - t0, 1),
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    if args.nodes is not None:
-        pq.write_table(pa.concat_tables(node_tables), args.nodes)
-    args.out.write_text(json.dumps(meta | {"rows": rows}, indent=2, default=str))
+    body = {"rows": rows, "comparisons": comparisons, "batches": batch_rows, "hf": hf_rows}
+    args.out.write_text(json.dumps(meta | body, indent=2, default=str))
     log(f"[bench] wrote {args.out} in {meta['total_s']:.0f} s")
     return 0
 
 
-def _table(rows, cost_ratio) -> str:
-    head = ("| T | draft | policy | tokens/s | speedup | accepted/round | tokens/round | "
-            "acceptance | drafted/round | identical |")  # fmt: skip
-    lines = [head, "|" + "---|" * 10]
+def _tables(rows, comparisons, batch_rows, hf_rows) -> str:
+    lines = [
+        "| T | draft | policy | tokens/s | speedup [95% CI] | accepted/round | "
+        "tokens/round | identical |",
+        "|" + "---|" * 8,
+    ]
     for r in rows:
+        lo, hi = r["ci95"]
         lines.append(
             f"| {r['temperature']:g} | {r['shape']} | {r['policy']} | {r['tokens_per_s']:.2f} | "
-            f"{r['speedup']:.2f} | {r.get('mean_accepted', '')} | {r.get('tokens_per_round', '')} "
-            f"| {r.get('acceptance_rate', '')} | {r.get('mean_drafted', '')} | {r['identical']} |"
+            f"{r['speedup']:.2f} [{lo:.2f}, {hi:.2f}] | {r.get('mean_accepted', '')} | "
+            f"{r.get('tokens_per_round', '')} | {r.get('identical', '')} |"
         )
-    return "\n".join(lines) + f"\n\ndrafter/target per-token cost ratio: {cost_ratio:.3f}"
+    if comparisons:
+        lines += [
+            "",
+            "| T | draft | A vs B | ratio [95% CI] | significant |",
+            "|---|---|---|---|---|",
+        ]
+        for c in comparisons:
+            lo, hi = c["ci95"]
+            lines.append(
+                f"| {c['temperature']:g} | {c['shape']} | {c['a']} vs {c['b']} | "
+                f"{c['ratio']:.3f} [{lo:.3f}, {hi:.3f}] | {c['significant']} |"
+            )
+    if batch_rows:
+        lines += ["", "| batch | run | tokens/s (whole batch) |", "|---|---|---|"]
+        lines += [f"| {r['batch']} | {r['run']} | {r['tokens_per_s']} |" for r in batch_rows]
+    if hf_rows:
+        lines += ["", "| peer | tokens/s | speedup [95% CI] |", "|---|---|---|"]
+        for r in hf_rows:
+            lo, hi = r["ci95"]
+            lines.append(
+                f"| {r['run']} | {r['tokens_per_s']:.2f} | {r['speedup']:.2f} "
+                f"[{lo:.2f}, {hi:.2f}] |"
+            )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ import time
 
 from jaxcert import mesh as mesh_lib
 from jaxcert._argtypes import non_negative_float, positive, unit_float
-from jaxcert._validate import round_up
 from jaxcert.cli import DEFAULT_DECODE_TARGET, DEFAULT_DRAFTER
 from jaxcert.cli._common import (
     add_prompt_arguments,
@@ -102,6 +101,7 @@ def run(args) -> int:
     import jax
     from tqdm import tqdm
 
+    import jaxcert
     from jaxcert import decoding, prompts
     from jaxcert.decoding import run_report
 
@@ -121,6 +121,7 @@ def run(args) -> int:
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
+    cache_dir = jaxcert.enable_compilation_cache()  # a rerun on this machine compiles nothing
     prompt_set = load_prompt_set(args.prompts, turn=args.turn, max_prompts=args.max_prompts)
     t0 = time.perf_counter()
     target = load_model("--target", args.target, mesh=mesh)  # each weight onto its shards
@@ -136,7 +137,7 @@ def run(args) -> int:
         raise ValueError(
             f"prompts {short} encode to fewer than 2 tokens; speculative decoding needs 2"
         )
-    width = round_up(max(len(e) for e in encoded), 16)
+    width = decoding.bucket(max(len(e) for e in encoded))  # one program for every batch
     print(
         f"[jaxcert] target {target.path.name} ({target.config.num_layers} layers), drafter "
         f"{drafter.path.name} ({drafter.config.num_layers} layers), V={target.config.vocab_size},"
@@ -147,6 +148,11 @@ def run(args) -> int:
     key = jax.random.key(args.seed)
     total = len(encoded) * args.max_new_tokens * (1 if args.no_baseline else 2)
     bar = tqdm(total=total, unit="tok", desc="decode", file=sys.stderr, dynamic_ncols=True)
+    compiled_before = decoding.compilations()
+
+    def compiling(name):  # the bar says so while XLA compiles (minutes for a large model)
+        bar.set_description(f"compiling {name}")
+
     runs = {"target": [], "speculative": []}
     ids = [p.id for p in prompt_set]
     for start in range(0, len(encoded), args.batch_size):
@@ -166,8 +172,10 @@ def run(args) -> int:
                     key=k1,
                     prompt_width=width,
                     progress=tick,
+                    on_compile=compiling,
                 )
             )
+            bar.set_description("decode")
             done = bar.n = done + len(batch) * args.max_new_tokens
             tick = lambda n, done=done: bar.update(done + n - bar.n)  # noqa: E731
         runs["speculative"].append(
@@ -180,8 +188,10 @@ def run(args) -> int:
                 key=k2,
                 prompt_width=width,
                 progress=tick,
+                on_compile=compiling,
             )
         )
+        bar.set_description("decode")
         bar.n = done + len(batch) * args.max_new_tokens
         bar.refresh()
     bar.close()
@@ -203,6 +213,9 @@ def run(args) -> int:
         "mesh": dict(device_mesh.shape),
         "seed": args.seed,
         "load_s": round(load_s, 2),
+        "compile_s": round(sum(r.compile_s for rs in runs.values() for r in rs), 1),
+        "programs_compiled": decoding.compilations() - compiled_before,
+        "compilation_cache": str(cache_dir) if cache_dir else None,
         "total_s": round(time.perf_counter() - started, 1),
     }
     (out / "summary.json").write_text(json.dumps(meta | summary, indent=2, default=str))

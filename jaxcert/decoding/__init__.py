@@ -29,11 +29,12 @@ Example::
 from jaxcert.decoding.api import (
     DecodeOutput,
     check_pair,
+    compilations,
     speculative_decode,
     split_model,
     target_decode,
 )
-from jaxcert.decoding.config import DecodeConfig
+from jaxcert.decoding.config import DecodeConfig, bucket
 from jaxcert.decoding.policies import (
     SVIP,
     Certified,
@@ -45,7 +46,14 @@ from jaxcert.decoding.policies import (
     parse_policy,
 )
 from jaxcert.decoding.protocols import Cache, DecoderModel
-from jaxcert.decoding.state import DecodeState, DraftTree, NodeStats, PolicyState, RoundStats
+from jaxcert.decoding.state import (
+    DecodeState,
+    DraftTree,
+    NodeStats,
+    PolicyState,
+    RoundStats,
+    Settings,
+)
 from jaxcert.decoding.tree import Chain, DynamicTree, StaticTree, parse_tree
 from jaxcert.decoding.verify import Verification, in_accepted_set, parse_verify
 
@@ -68,9 +76,12 @@ __all__ = [
     "PolicyState",
     "RoundStats",
     "SVIP",
+    "Settings",
     "StaticTree",
     "Verification",
+    "bucket",
     "check_pair",
+    "compilations",
     "in_accepted_set",
     "parse_policy",
     "parse_tree",

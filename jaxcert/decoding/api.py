@@ -27,9 +27,9 @@ from jaxcert import models
 from jaxcert._validate import check_int
 from jaxcert.decoding import loop
 from jaxcert.decoding import policies as policies_lib
-from jaxcert.decoding.config import DecodeConfig, Sizes, check_sampling
+from jaxcert.decoding.config import DecodeConfig, Sizes, bucket, check_sampling
 from jaxcert.decoding.protocols import DecoderModel
-from jaxcert.decoding.state import RoundStats
+from jaxcert.decoding.state import RoundStats, Settings
 from jaxcert.models import sharding as sharding_lib
 from jaxcert.prompts import pad_prompts
 
@@ -37,12 +37,25 @@ __all__ = [
     "COMPILER_OPTIONS",
     "DecodeOutput",
     "check_pair",
+    "compilations",
     "speculative_decode",
     "split_model",
     "target_decode",
 ]
 
 _COMPILED: dict = {}
+_COMPILE_COUNT = [0]  # programs compiled by this process (see `compilations`)
+
+
+def compilations() -> int:
+    """How many decoder programs this process has compiled so far.
+
+    Programs are cached per shape (the config's static part, the bucketed buffer sizes, the
+    batch and prompt widths, the devices): a sweep over budgets, end tokens, temperatures,
+    top-p and policies adds none once its shapes are compiled.
+    """
+    return _COMPILE_COUNT[0]
+
 
 #: XLA options for every decoder this module compiles, e.g.
 #: ``{"xla_backend_optimization_level": 0}`` trades run time for compile time (the tests do
@@ -59,6 +72,7 @@ class DecodeOutput:
       stats: per-round statistics, numpy ``[R, B, ...]`` (``None`` for target-only).
       rounds: ``[B]`` rounds (speculative) or steps (target-only) per row.
       prefill_s, decode_s, compile_s: wall times in seconds.
+      compiled: programs this call compiled (0: every one was cached in the process).
     """
 
     tokens: list[np.ndarray]
@@ -67,6 +81,7 @@ class DecodeOutput:
     prefill_s: float
     decode_s: float
     compile_s: float
+    compiled: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -172,7 +187,7 @@ check_pair = models.check_same_vocabulary
 """Raises ``ValueError`` unless target and drafter share one vocabulary (and tokenizer)."""
 
 
-def _compile(fn, args: tuple, static: dict):
+def _compile(fn, args: tuple, static: dict, on_compile: Callable[[str], None] | None = None):
     """AOT-compiles ``fn`` (a ``jax.jit``) once per static arguments and argument shapes.
 
     ``args`` are the dynamic arguments (arrays or ``ShapeDtypeStruct``s), ``static`` the static
@@ -185,9 +200,26 @@ def _compile(fn, args: tuple, static: dict):
     signature = (fn, tuple(sorted(static.items(), key=lambda kv: kv[0])), str(treedef), avals)
     signature += (options,)
     if signature not in _COMPILED:
+        if on_compile is not None:
+            on_compile(fn.__name__)
         lowered = fn.lower(*args, **static)
         _COMPILED[signature] = lowered.compile(compiler_options=dict(options) or None)
+        _COMPILE_COUNT[0] += 1
     return _COMPILED[signature]
+
+
+def _prepare_prompts(prompts, prompt_width, minimum, vocab_size, models_, new_tokens, draft):
+    """Validates the prompts and the context length; returns the (bucketed) prompt width.
+
+    Without ``prompt_width`` the width is the longest prompt's :func:`bucket`, so batches of
+    similar prompts share one program.
+    """
+    _, lengths = pad_prompts(prompts, width=prompt_width, minimum=minimum, vocab_size=vocab_size)
+    longest = int(lengths.max())
+    models.check_context_length(
+        models_, prompt_tokens=longest, new_tokens=new_tokens, draft_positions=draft
+    )
+    return prompt_width if prompt_width is not None else bucket(longest)
 
 
 def _outputs(state, rows: int) -> tuple[list[np.ndarray], np.ndarray]:
@@ -214,6 +246,7 @@ def speculative_decode(
     prompt_width: int | None = None,
     progress: Callable[[int], None] | None = None,
     mesh: jax.sharding.Mesh | None = None,
+    on_compile: Callable[[str], None] | None = None,
 ) -> DecodeOutput:
     """Speculative decoding of one batch of token prompts.
 
@@ -228,6 +261,8 @@ def speculative_decode(
       progress: called with the number of new output tokens after every call.
       mesh: run on this ``jax.sharding.Mesh`` (``Auto`` axes); default: the mesh the models
         live on, if any.
+      on_compile: called with the program's name before each compilation (a program this
+        process has not compiled yet), e.g. to show it in a progress display.
 
     Returns:
       A :class:`DecodeOutput`.
@@ -240,33 +275,33 @@ def speculative_decode(
     check_pair(target, drafter)
     vocab_size = _vocab_size(target)
     rows = len(prompts)
-    prompt, lengths = _padded(prompts, prompt_width, 2, vocab_size)  # validates the prompts
-    models.check_context_length(
-        {"target": target, "drafter": drafter},
-        prompt_tokens=int(np.max(jax.device_get(lengths))),
-        new_tokens=config.max_new_tokens,
-        draft_positions=config.depth,
-    )
+    width = _prepare_prompts(
+        prompts, prompt_width, 2, vocab_size, {"target": target, "drafter": drafter},
+        config.max_new_tokens, config.depth,
+    )  # fmt: skip
     (target, drafter), placement = _on_mesh((target, drafter), mesh)
     t_graph, t_params = split_model(target)
     d_graph, d_params = split_model(drafter)
-    if placement is not None:
-        prompt, lengths = _padded(prompts, prompt_width, 2, vocab_size, placement)
+    prompt, lengths = _padded(prompts, width, 2, vocab_size, placement)
     key = jax.random.key(0) if key is None else key
-    sizes = Sizes.for_prompts(prompt.shape[1], config, config.max_new_tokens)
+    static = config.shape_only()  # budget, end tokens, temperature and top-p are traced
+    sizes = Sizes.for_prompts(width, static, bucket(config.max_new_tokens))
+    settings = Settings.create(
+        config.max_new_tokens, config.temperature, config.top_p, config.eos_ids
+    )
     params = policies_lib.PolicyParams.from_policy(policy)
     if isinstance(config.tree, loop.tree_lib.Chain) and policy.k_max > config.max_draft:
         params = params.replace(k_max=jnp.asarray(config.max_draft, jnp.int32))
-    params, key = _replicated((params, key), placement)
-    t0 = time.perf_counter()
+    params, key, settings = _replicated((params, key, settings), placement)
+    t0, before = time.perf_counter(), compilations()
     graphs = {"t_graph": t_graph, "d_graph": d_graph}
-    pre_args = (t_params, d_params, prompt, lengths, params, key)
-    pre = _compile(loop.prefill, pre_args, graphs | {"config": config, "sizes": sizes})
+    pre_args = (t_params, d_params, prompt, lengths, params, key, settings)
+    pre = _compile(loop.prefill, pre_args, graphs | {"config": static, "sizes": sizes}, on_compile)
     run_args = (t_params, d_params, pre.out_info, params)
-    run = _compile(loop.run_rounds, run_args, graphs | {"config": config})
-    compile_s = time.perf_counter() - t0
+    run = _compile(loop.run_rounds, run_args, graphs | {"config": static}, on_compile)
+    compile_s, compiled = time.perf_counter() - t0, compilations() - before
     t0 = time.perf_counter()
-    state = pre(t_params, d_params, prompt, lengths, params, key)
+    state = pre(*pre_args)
     jax.block_until_ready(state)
     prefill_s = time.perf_counter() - t0
     decode_s, chunks = 0.0, []
@@ -285,7 +320,7 @@ def speculative_decode(
     keep = np.any(stats.active, axis=1)
     stats = jax.tree.map(lambda x: x[keep], stats)
     tokens, rounds = _outputs(state, rows)
-    return DecodeOutput(tokens, stats, rounds, prefill_s, decode_s, compile_s)
+    return DecodeOutput(tokens, stats, rounds, prefill_s, decode_s, compile_s, compiled)
 
 
 def target_decode(
@@ -301,6 +336,7 @@ def target_decode(
     steps_per_call: int = 16,
     progress: Callable[[int], None] | None = None,
     mesh: jax.sharding.Mesh | None = None,
+    on_compile: Callable[[str], None] | None = None,
 ) -> DecodeOutput:
     """Target-only decoding (greedy at temperature 0, else sampled), the speed baseline.
 
@@ -316,31 +352,22 @@ def target_decode(
     check_int("max_new_tokens", max_new_tokens)
     vocab_size = _vocab_size(target)
     rows = len(prompts)
-    prompt, lengths = _padded(prompts, prompt_width, 1, vocab_size)  # validates the prompts
-    models.check_context_length(
-        {"target": target},
-        prompt_tokens=int(np.max(jax.device_get(lengths))),
-        new_tokens=max_new_tokens,
+    width = _prepare_prompts(
+        prompts, prompt_width, 1, vocab_size, {"target": target}, max_new_tokens, 0
     )
+    settings = Settings.create(max_new_tokens, temperature, top_p, eos_ids)
     (target,), placement = _on_mesh((target,), mesh)
     graph, params = split_model(target)
-    if placement is not None:
-        prompt, lengths = _padded(prompts, prompt_width, 1, vocab_size, placement)
-    key = _replicated(jax.random.key(0) if key is None else key, placement)
-    sizes = Sizes.for_prompts(prompt.shape[1], None, max_new_tokens)
-    t0 = time.perf_counter()
-    pre_args = (params, prompt, lengths, key)
-    pre = _compile(loop.prefill_target, pre_args, {"graph": graph, "sizes": sizes})
-    kw = dict(
-        graph=graph,
-        steps=steps_per_call,
-        max_new_tokens=max_new_tokens,
-        temperature=float(temperature),
-        top_p=float(top_p),
-        eos_ids=tuple(eos_ids),
-    )
-    run = _compile(loop.run_target_steps, (params, pre.out_info), kw)
-    compile_s = time.perf_counter() - t0
+    prompt, lengths = _padded(prompts, width, 1, vocab_size, placement)
+    key = jax.random.key(0) if key is None else key
+    key, settings = _replicated((key, settings), placement)
+    sizes = Sizes.for_prompts(width, None, bucket(max_new_tokens))
+    t0, before = time.perf_counter(), compilations()
+    pre_args = (params, prompt, lengths, key, settings)
+    pre = _compile(loop.prefill_target, pre_args, {"graph": graph, "sizes": sizes}, on_compile)
+    kw = dict(graph=graph, steps=steps_per_call, sampling=temperature > 0)
+    run = _compile(loop.run_target_steps, (params, pre.out_info), kw, on_compile)
+    compile_s, compiled = time.perf_counter() - t0, compilations() - before
     t0 = time.perf_counter()
     state = pre(*pre_args)
     jax.block_until_ready(state)
@@ -354,4 +381,4 @@ def target_decode(
         if progress is not None:
             progress(int(generated))
     tokens, rounds = _outputs(state, rows)
-    return DecodeOutput(tokens, None, rounds, prefill_s, decode_s, compile_s)
+    return DecodeOutput(tokens, None, rounds, prefill_s, decode_s, compile_s, compiled)

@@ -1,7 +1,11 @@
-"""Static settings of the decoders: :class:`DecodeConfig` and the buffer :class:`Sizes`.
+"""Settings of the decoders: :class:`DecodeConfig` and the buffer :class:`Sizes`.
 
-Both are hashable and passed to the jitted functions of :mod:`~jaxcert.decoding.loop` as
-static arguments: one compilation per distinct config and shape.
+A config holds two kinds of settings. Its *shape* (draft tree, rule, ``max_draft``,
+verification buckets, statistics, rounds per call) is static: one compilation per distinct
+shape. Its *values* (``max_new_tokens``, ``eos_ids``, ``temperature``, ``top_p``) travel as a
+traced :class:`~jaxcert.decoding.state.Settings`, so a sweep over them reuses one program;
+only the buffers' capacity depends on the budget, and it is bucketed (:func:`bucket`), so a
+sweep of budgets compiles a few programs, not one per value.
 """
 
 from __future__ import annotations
@@ -13,9 +17,20 @@ from jaxcert.decoding import policies as policies_lib
 from jaxcert.decoding import tree as tree_lib
 from jaxcert.decoding.verify import Verification, parse_verify
 
-__all__ = ["DecodeConfig", "Sizes", "check_sampling"]
+__all__ = ["DecodeConfig", "Sizes", "bucket", "check_sampling"]
 
 _LEVEL_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
+
+
+def bucket(n: int, minimum: int = 16) -> int:
+    """``n`` rounded up to a compile bucket: a multiple of 16 up to 128, then of an eighth of
+    the next power of two below ``n`` (at most 25% above ``n``; four buckets per octave).
+
+    >>> [bucket(n) for n in (1, 16, 17, 100, 129, 700)]
+    [16, 16, 32, 112, 160, 768]
+    """
+    check_int("n", n)
+    return round_up(n, max(minimum, 2 ** (n.bit_length() - 3)))
 
 
 def check_sampling(temperature: float, top_p: float) -> None:
@@ -26,16 +41,19 @@ def check_sampling(temperature: float, top_p: float) -> None:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DecodeConfig:
-    """Static settings of a decoder (one compilation per distinct config and shape).
+    """Settings of a decoder: its shape (static) and its values (traced).
+
+    Configs that differ only in ``max_new_tokens`` (within a :func:`bucket`), ``eos_ids``,
+    ``temperature`` or ``top_p`` share one compiled program.
 
     Attributes:
       verification: draft shape and rule (``rule=None``: speculative sampling), or its
         spelling for :func:`~jaxcert.decoding.verify.parse_verify`.
-      max_new_tokens: output budget per row.
+      max_new_tokens: output budget per row (traced; the buffers hold its bucket).
       max_draft: deepest chain (``K_max``); trees use their own depth.
-      temperature: ``0`` for deterministic rules, ``> 0`` for sampling.
-      top_p: nucleus truncation for sampling (``1.0``: none).
-      eos_ids: tokens that end a row (kept in its output).
+      temperature: ``0`` for deterministic rules, ``> 0`` for sampling (traced).
+      top_p: nucleus truncation for sampling (``1.0``: none; traced).
+      eos_ids: tokens that end a row (kept in its output; at most 8; traced).
       collect_stats: compute certificates for every drafted node (KL and entropies are always
         computed).
       buckets: verification widths in drafted nodes (sorted; the last must be the node
@@ -59,6 +77,8 @@ class DecodeConfig:
         if not isinstance(self.verification, Verification):
             raise ValueError(f"verification must be a Verification, got {self.verification!r}")
         object.__setattr__(self, "eos_ids", tuple(int(i) for i in self.eos_ids))
+        if len(self.eos_ids) > 8:
+            raise ValueError(f"at most 8 end tokens, got {len(self.eos_ids)}: {self.eos_ids}")
         for name in ("max_new_tokens", "max_draft", "rounds_per_call"):
             check_int(name, getattr(self, name))
         check_sampling(self.temperature, self.top_p)
@@ -74,6 +94,17 @@ class DecodeConfig:
                 raise ValueError(
                     f"buckets must increase from >= 1 to the node count {self.num_nodes}, got {b}"
                 )
+
+    def shape_only(self) -> DecodeConfig:
+        """This config with its traced values set to canonical ones: the static part, the
+        key of the compiled programs."""
+        return dataclasses.replace(
+            self,
+            max_new_tokens=1,
+            temperature=1.0 if self.verification.sampling else 0.0,
+            top_p=1.0,
+            eos_ids=(),
+        )
 
     @property
     def tree(self) -> tree_lib.TreeShape:
@@ -121,6 +152,8 @@ class Sizes:
 
     @classmethod
     def for_prompts(cls, prompt_width: int, config: DecodeConfig | None, max_new: int) -> Sizes:
+        """Sizes for prompts of width ``prompt_width`` and a budget of ``max_new`` tokens
+        (pass the budget's :func:`bucket` to share programs across budgets)."""
         d = config.depth if config else 0
         n = config.num_nodes if config else 1
         w = config.reread if config else 1

@@ -27,7 +27,7 @@ from jaxcert.decoding import policies as policies_lib
 from jaxcert.decoding import tree as tree_lib
 from jaxcert.decoding.config import DecodeConfig, Sizes
 from jaxcert.decoding.draft import draft
-from jaxcert.decoding.state import DecodeState, RoundStats
+from jaxcert.decoding.state import DecodeState, RoundStats, Settings
 from jaxcert.decoding.verify import in_accepted_set, sample_tree, sampling_log_probs
 from jaxcert.models.cache import KVCache
 from jaxcert.models.transformer import decode_step
@@ -59,6 +59,7 @@ def prefill(
     lengths: jax.Array,
     policy: policies_lib.PolicyParams,
     key: jax.Array,
+    settings: Settings,
     *,
     t_graph: nnx.GraphDef,
     d_graph: nnx.GraphDef,
@@ -72,8 +73,10 @@ def prefill(
       prompt: ``[B, W]`` int32 right-padded prompts; ``lengths`` ``[B]`` their lengths (>= 2).
       policy: :class:`~jaxcert.decoding.policies.PolicyParams`.
       key: PRNG key.
+      settings: the traced :class:`~jaxcert.decoding.state.Settings` (budget, end tokens,
+        temperature, top-p); ``config``'s own values of these are not read.
       t_graph, d_graph: their graph definitions (static).
-      config: :class:`~jaxcert.decoding.config.DecodeConfig`; sizes:
+      config: :class:`~jaxcert.decoding.config.DecodeConfig` (its shapes and rule); sizes:
         :class:`~jaxcert.decoding.config.Sizes`.
 
     Returns:
@@ -97,6 +100,7 @@ def prefill(
         policy=policies_lib.init_policy_state(policy, b),
         key=key,
         rounds=jnp.zeros((b,), jnp.int32),
+        settings=settings,
     )
 
 
@@ -114,7 +118,7 @@ def _children(sub: dict, positions: int, m: int):
 
 def _verify(nb, operands, *, t_graph, config):
     """Target pass over the root and the first ``nb`` nodes, acceptance and node statistics."""
-    t_params, cache, tree, tokens, length, key = operands
+    t_params, cache, tree, tokens, length, key, settings = operands
     v = config.verification
     b, big_n = tree.tokens.shape
     rows = jnp.arange(b)
@@ -145,8 +149,8 @@ def _verify(nb, operands, *, t_graph, config):
             expanded,
             tree.q_logits,
             max_depth=config.depth,
-            temperature=config.temperature,
-            top_p=config.top_p,
+            temperature=settings.temperature,
+            top_p=settings.top_p,
         )
         on_path = jnp.take_along_axis(mask, last[:, None, None], axis=1)[:, 0, 1:]
     else:
@@ -182,7 +186,8 @@ def _verify(nb, operands, *, t_graph, config):
 def _round(t_graph, t_params, d_graph, d_params, policy, state: DecodeState, config):
     key, k_draft, k_verify = jax.random.split(state.key, 3)
     active = ~state.done
-    remaining = config.max_new_tokens - state.generated
+    settings = state.settings
+    remaining = settings.max_new_tokens - state.generated
     tree, d_cache = draft(
         d_graph,
         d_params,
@@ -198,15 +203,15 @@ def _round(t_graph, t_params, d_graph, d_params, policy, state: DecodeState, con
         max_depth=config.depth,
         width=config.reread,
         sampling=config.verification.sampling,
-        temperature=config.temperature,
-        top_p=config.top_p,
+        temperature=settings.temperature,
+        top_p=settings.top_p,
     )
     used = tree.valid & active[:, None]
     n_eff = jnp.max(jnp.where(used, jnp.arange(1, tree.num_nodes + 1), 0))
     buckets = config.verify_buckets()
     index = jnp.minimum(jnp.searchsorted(jnp.asarray(buckets), n_eff), len(buckets) - 1)
     branches = [functools.partial(_verify, nb, t_graph=t_graph, config=config) for nb in buckets]
-    operands = (t_params, state.target_cache, tree, state.tokens, state.length, k_verify)
+    operands = (t_params, state.target_cache, tree, state.tokens, state.length, k_verify, settings)
     verified = lax.switch(index, branches, operands)
     return _commit(state, config, policy, key, tree, d_cache, verified)
 
@@ -219,7 +224,8 @@ def _commit(state, config, policy, key, tree, d_cache, verified):
     """
     t_cache, accepted, new, offsets, ns = verified
     active = ~state.done
-    remaining = config.max_new_tokens - state.generated
+    settings = state.settings
+    remaining = settings.max_new_tokens - state.generated
     b = state.length.shape[0]
     rows = jnp.arange(b)
     keep = jnp.where(active, accepted + 1, 0)
@@ -228,15 +234,14 @@ def _commit(state, config, policy, key, tree, d_cache, verified):
     else:
         t_cache = t_cache.select(offsets, keep)
     j = jnp.arange(new.shape[1])
-    eos = jnp.asarray(config.eos_ids or (-1,), jnp.int32)
-    is_eos = jnp.any(new[..., None] == eos, axis=-1) & (j <= accepted[:, None])
+    is_eos = settings.is_eos(new) & (j <= accepted[:, None])
     has_eos = jnp.any(is_eos, axis=-1)
     count = jnp.where(has_eos, jnp.argmax(is_eos, axis=-1) + 1, accepted + 1)
     count = jnp.where(active, jnp.minimum(count, remaining), 0).astype(jnp.int32)
     slots = jnp.where(j < count[:, None], state.length[:, None] + j, state.tokens.shape[1])
     tokens = state.tokens.at[rows[:, None], slots].set(new, mode="drop")
     length = state.length + count
-    finished = has_eos | (length - state.prompt_length >= config.max_new_tokens)
+    finished = has_eos | (length - state.prompt_length >= settings.max_new_tokens)
     depth = jnp.max(jnp.where(tree.valid, tree.depth, 0), axis=-1)
     if isinstance(config.tree, tree_lib.Chain):
         # After a rejection the drafter already read every kept token but the target's.
@@ -321,6 +326,7 @@ def prefill_target(
     prompt: jax.Array,
     lengths: jax.Array,
     key: jax.Array,
+    settings: Settings,
     *,
     graph: nnx.GraphDef,
     sizes: Sizes,
@@ -340,13 +346,12 @@ def prefill_target(
         policy=None,
         key=key,
         rounds=jnp.zeros((b,), jnp.int32),
+        settings=settings,
     )
 
 
 @functools.partial(
-    jax.jit,
-    static_argnames=("graph", "steps", "max_new_tokens", "temperature", "top_p", "eos_ids"),
-    donate_argnames=("state",),
+    jax.jit, static_argnames=("graph", "steps", "sampling"), donate_argnames=("state",)
 )
 def run_target_steps(
     params: nnx.State,
@@ -354,15 +359,13 @@ def run_target_steps(
     *,
     graph: nnx.GraphDef,
     steps: int,
-    max_new_tokens: int,
-    temperature: float,
-    top_p: float,
-    eos_ids: tuple[int, ...],
+    sampling: bool,
 ) -> DecodeState:
-    """Up to ``steps`` target-only decoding steps (greedy at temperature 0, else sampled)."""
+    """Up to ``steps`` target-only decoding steps: greedy, or sampled with ``sampling`` at
+    the state's (traced) temperature and top-p; budget and end tokens from its settings."""
     b = state.length.shape[0]
     rows = jnp.arange(b)
-    eos = jnp.asarray(eos_ids or (-1,), jnp.int32)
+    settings = state.settings
 
     def cond(carry):
         r, state = carry
@@ -374,8 +377,8 @@ def run_target_steps(
         key, sub = jax.random.split(state.key)
         last = state.tokens[rows, state.length - 1]
         logits, cache = decode_step(graph, params, last, state.target_cache, active)
-        if temperature > 0:
-            lp = sampling_log_probs(logits, temperature, top_p)
+        if sampling:
+            lp = sampling_log_probs(logits, settings.temperature, settings.top_p)
             token = jax.random.categorical(sub, lp, axis=-1).astype(jnp.int32)
         else:
             token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -383,8 +386,8 @@ def run_target_steps(
         slot = jnp.where(active, state.length, state.tokens.shape[1])
         tokens = state.tokens.at[rows, slot].set(token, mode="drop")
         length = state.length + step
-        finished = jnp.any(token[:, None] == eos, axis=-1) | (
-            length - state.prompt_length >= max_new_tokens
+        finished = settings.is_eos(token) | (
+            length - state.prompt_length >= settings.max_new_tokens
         )
         state = state.replace(
             tokens=tokens,

@@ -26,6 +26,7 @@ __all__ = [
     "summarize_run",
     "summarize_runs",
     "acceptance_by_depth",
+    "bootstrap_speedup",
     "pad_batch",
     "markdown_summary",
     "write_tables",
@@ -149,6 +150,37 @@ def pad_batch(stats: RoundStats, batch: int) -> RoundStats:
     return jax.tree.map(pad, stats)
 
 
+MIN_UNITS = 3  # fewer paired units than this: no interval, the run says it is too short
+
+
+def bootstrap_speedup(
+    base_tokens, base_s, new_tokens, new_s, *, samples: int = 4000, seed: int = 0
+) -> tuple[float, float, float]:
+    """Speedup (ratio of tokens/s) with a 95% bootstrap interval over paired units.
+
+    Each unit (a prompt, or a batch of prompts decoded together) was run both ways; the
+    units are resampled with replacement and the ratio of *total* throughputs recomputed,
+    so long and short prompts weigh by their tokens and seconds, as in the point estimate.
+
+    Args:
+      base_tokens, base_s: ``[U]`` tokens and decode seconds of the baseline per unit.
+      new_tokens, new_s: ``[U]`` the same for the method measured.
+      samples: bootstrap resamples.
+      seed: of the resampling.
+
+    Returns:
+      ``(speedup, low, high)``; ``low = high = nan`` with fewer than 2 units.
+    """
+    bt, bs, nt, ns = (np.asarray(x, np.float64) for x in (base_tokens, base_s, new_tokens, new_s))
+    speedup = float((nt.sum() / ns.sum()) / (bt.sum() / bs.sum()))
+    if bt.size < 2:
+        return speedup, float("nan"), float("nan")
+    idx = np.random.default_rng(seed).integers(0, bt.size, (samples, bt.size))
+    ratios = (nt[idx].sum(1) / ns[idx].sum(1)) / (bt[idx].sum(1) / bs[idx].sum(1))
+    low, high = np.percentile(ratios, [2.5, 97.5])
+    return speedup, float(low), float(high)
+
+
 def summarize_runs(runs: Mapping[str, Sequence]) -> dict:
     """Summary of ``jaxcert decode``: the speculative run, the target-only run and both.
 
@@ -159,8 +191,11 @@ def summarize_runs(runs: Mapping[str, Sequence]) -> dict:
 
     Returns:
       ``{"speculative": summarize_run(...) | {"compile_s"}}``, plus, with a target-only run,
-      ``"target_only"`` (its :func:`summarize_run`), ``"speedup"`` (the ratio of tokens/s)
-      and ``"identical_outputs"`` (``"same/rows"``).
+      ``"target_only"`` (its :func:`summarize_run`), ``"speedup"`` (the ratio of tokens/s),
+      ``"speedup_ci95"`` (a bootstrap interval over the batches, with at least
+      :data:`MIN_UNITS` of them; else ``None``), ``"speedup_note"`` (why no interval) and
+      ``"identical_outputs"`` (``"same/rows"``). Compilation and prefill are excluded from
+      every time.
     """
 
     def total(name, attr):
@@ -185,6 +220,19 @@ def summarize_runs(runs: Mapping[str, Sequence]) -> dict:
         base = summarize_run(None, total("target", "num_tokens"), total("target", "decode_s"))
         out["target_only"] = base
         out["speedup"] = round(out["speculative"]["tokens_per_s"] / base["tokens_per_s"], 3)
+        units = len(spec)
+        _, low, high = bootstrap_speedup(
+            [r.num_tokens for r in runs["target"]], [r.decode_s for r in runs["target"]],
+            [r.num_tokens for r in spec], [r.decode_s for r in spec],
+        )  # fmt: skip
+        out["speedup_ci95"] = [round(low, 3), round(high, 3)] if units >= MIN_UNITS else None
+        out["speedup_batches"] = units
+        if units < MIN_UNITS:
+            out["speedup_note"] = (
+                f"{units} batch(es): too few to measure the noise of a speedup (one short "
+                f"prompt can be off by 2x); decode at least {MIN_UNITS} batches (more prompts, "
+                "or a smaller --batch-size) for an interval"
+            )
         pairs = [
             (a, b)
             for s, t in zip(spec, runs["target"], strict=True)
@@ -217,6 +265,14 @@ def markdown_summary(summary: dict) -> str:
         text += f"\n\nacceptance by position: {s['acceptance_by_depth']}"
     if "identical_outputs" in summary:
         text += f"\noutputs identical to target-only: {summary['identical_outputs']}"
+    if summary.get("speedup_ci95"):
+        low, high = summary["speedup_ci95"]
+        text += (
+            f"\nspeedup {summary['speedup']:.2f}, 95% interval [{low:.2f}, {high:.2f}] over "
+            f"{summary['speedup_batches']} batches (bootstrap; compile and prefill excluded)"
+        )
+    elif "speedup_note" in summary:
+        text += f"\nspeedup {summary['speedup']:.2f}: {summary['speedup_note']}"
     return text
 
 

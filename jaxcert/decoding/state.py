@@ -18,11 +18,12 @@ from __future__ import annotations
 from typing import ClassVar
 
 import jax
+import numpy as np
 from flax import struct
 
 from jaxcert.models.cache import KVCache
 
-__all__ = ["DraftTree", "PolicyState", "DecodeState", "NodeStats", "RoundStats"]
+__all__ = ["DraftTree", "PolicyState", "Settings", "DecodeState", "NodeStats", "RoundStats"]
 
 
 @struct.dataclass
@@ -73,6 +74,46 @@ class PolicyState:
 
 
 @struct.dataclass
+class Settings:
+    """Decoding settings that are values, not shapes: traced, so one compiled program serves
+    every budget, end-token set, temperature and top-p (a sweep compiles nothing new).
+
+    Attributes:
+      max_new_tokens: ``[]`` int32 output budget per row (at most the buffers' capacity).
+      temperature: ``[]`` float32 sampling temperature (ignored by deterministic rules).
+      top_p: ``[]`` float32 nucleus mass in ``(0, 1]`` (``1``: no truncation).
+      eos_ids: ``[E]`` int32 end tokens, padded with ``-1`` (never a token id) to
+        ``E = MAX_EOS``.
+    """
+
+    MAX_EOS: ClassVar[int] = 8
+
+    max_new_tokens: jax.Array  # []
+    temperature: jax.Array  # []
+    top_p: jax.Array  # []
+    eos_ids: jax.Array  # [E]
+
+    @classmethod
+    def create(cls, max_new_tokens: int, temperature: float, top_p: float, eos_ids) -> Settings:
+        """Host values to a ``Settings`` (``eos_ids``: at most ``MAX_EOS`` ids)."""
+        eos = tuple(int(i) for i in eos_ids)
+        if len(eos) > cls.MAX_EOS:
+            raise ValueError(f"at most {cls.MAX_EOS} end tokens, got {len(eos)}: {eos}")
+        padded = np.full((cls.MAX_EOS,), -1, np.int32)
+        padded[: len(eos)] = eos
+        return cls(
+            max_new_tokens=np.asarray(max_new_tokens, np.int32),
+            temperature=np.asarray(temperature, np.float32),
+            top_p=np.asarray(top_p, np.float32),
+            eos_ids=padded,
+        )
+
+    def is_eos(self, tokens: jax.Array) -> jax.Array:
+        """``[...]`` bool: which of ``tokens`` (``[...]`` int) are end tokens."""
+        return (tokens[..., None] == self.eos_ids).any(-1)
+
+
+@struct.dataclass
 class DecodeState:
     """Everything the round loop carries; rows whose ``done`` is set are frozen.
 
@@ -88,6 +129,7 @@ class DecodeState:
       policy: the policy's per-row state; ``None`` in the target-only decoder.
       key: PRNG key (used by sampling only).
       rounds: ``[B]`` int32 rounds each row took part in.
+      settings: the traced :class:`Settings` of the run.
     """
 
     PAD: ClassVar[int] = 0
@@ -102,6 +144,7 @@ class DecodeState:
     policy: PolicyState | None
     key: jax.Array  # [] PRNG key
     rounds: jax.Array  # [B]
+    settings: Settings
 
     @property
     def generated(self) -> jax.Array:

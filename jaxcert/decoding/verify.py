@@ -118,14 +118,16 @@ def in_accepted_set(logits: jax.Array, tokens: jax.Array, rule) -> jax.Array:
     return rules_lib.in_upper_set(rule, x_t - x_max, -jnp.log(total), entropy)
 
 
-def sampling_log_probs(logits: jax.Array, temperature: float, top_p: float = 1.0) -> jax.Array:
+def sampling_log_probs(logits: jax.Array, temperature, top_p=1.0) -> jax.Array:
     """Log-probabilities actually sampled from: ``softmax(logits / T)``, nucleus-truncated.
 
     Args:
       logits: ``[..., V]``.
-      temperature: ``T > 0`` (static).
+      temperature: ``T > 0``, a Python number or a traced scalar.
       top_p: keep the smallest set of most probable tokens whose mass reaches ``top_p`` (ties
-        at the cut are kept); ``1.0`` keeps everything (static).
+        at the cut are kept); ``1.0`` keeps everything. A Python number decides when
+        tracing; a traced scalar decides at run time (the sort of the nucleus runs only
+        when ``top_p < 1``).
 
     Returns:
       ``[..., V]`` float32 normalised log-probabilities, ``-inf`` outside the nucleus.
@@ -134,9 +136,14 @@ def sampling_log_probs(logits: jax.Array, temperature: float, top_p: float = 1.0
     # Shift before scaling: a tiny T then sends the argmax to 0 and the rest to -inf
     # instead of overflowing to inf - inf = NaN.
     x = x - lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))
-    logp = jax.nn.log_softmax(x / temperature, axis=-1)
-    if top_p >= 1.0:
-        return logp
+    logp = jax.nn.log_softmax(x / jnp.asarray(temperature, jnp.float32), axis=-1)
+    if isinstance(top_p, (int, float)):
+        return logp if top_p >= 1.0 else _nucleus(logp, top_p)
+    return lax.cond(top_p >= 1.0, lambda: logp, lambda: _nucleus(logp, top_p))
+
+
+def _nucleus(logp, top_p):
+    """``logp`` truncated to its top-``top_p`` nucleus and renormalised."""
     desc = -jnp.sort(-logp, axis=-1)
     before = jnp.cumsum(jnp.exp(desc), axis=-1) - jnp.exp(desc)  # mass strictly ahead
     kept = jnp.sum(before < top_p, axis=-1, keepdims=True)  # >= 1
@@ -186,7 +193,8 @@ def sample_tree(
       expanded: ``[B, T]`` int32 row of ``q_logits`` holding each position's drafter logits.
       q_logits: ``[B, X, V]`` drafter logits at the expanded nodes.
       max_depth: the deepest node.
-      temperature, top_p: sampling settings (static), applied to both models.
+      temperature, top_p: sampling settings (numbers or traced scalars), applied to both
+        models.
 
     Returns:
       ``(passes, last, token)``: ``[B, T - 1]`` bool nodes accepted by their test, ``[B]``

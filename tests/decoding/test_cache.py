@@ -12,6 +12,7 @@ from tiny_decoding import MAX_NEW, PROMPTS, WIDTH
 from jaxcert import decoding
 from jaxcert.decoding import api, loop
 from jaxcert.decoding.config import Sizes
+from jaxcert.decoding.state import Settings
 from jaxcert.models import KVCache, forward
 from jaxcert.prompts import pad_prompts
 
@@ -49,13 +50,15 @@ def test_no_stale_cache_entries_after_rejections(target, drafters, verify, kw):
     m = config.branching
     (t_graph, t_params), (d_graph, d_params) = nnx.split(target), nnx.split(drafter)
     prompt, lengths = map(jnp.asarray, pad_prompts(PROMPTS, width=WIDTH, minimum=2))
-    sizes = Sizes.for_prompts(WIDTH, config, MAX_NEW)
+    static = config.shape_only()
+    sizes = Sizes.for_prompts(WIDTH, static, decoding.bucket(MAX_NEW))
     policy = decoding.PolicyParams.from_policy(decoding.Constant(k=3))
     graphs = dict(t_graph=t_graph, d_graph=d_graph)
-    args = (t_params, d_params, prompt, lengths, policy, jax.random.key(0))
-    pre = api._compile(loop.prefill, args, graphs | dict(config=config, sizes=sizes))
+    settings = Settings.create(MAX_NEW, 0.0, 1.0, ())
+    args = (t_params, d_params, prompt, lengths, policy, jax.random.key(0), settings)
+    pre = api._compile(loop.prefill, args, graphs | dict(config=static, sizes=sizes))
     run = api._compile(
-        loop.run_rounds, (t_params, d_params, pre.out_info, policy), graphs | dict(config=config)
+        loop.run_rounds, (t_params, d_params, pre.out_info, policy), graphs | dict(config=static)
     )
     state = pre(*args)
     state, stats = run(t_params, d_params, state, policy)

@@ -145,3 +145,18 @@ def test_heuristic_schedule():
     q = _logits([0.9], [0.9], [0.9])
     decision = _decide(P.Heuristic(k0=5, k_max=8), q, 7, state)
     np.testing.assert_array_equal(decision, [True, False, False])
+
+
+def test_bootstrap_speedup_interval():
+    from jaxcert.decoding import run_report
+
+    base_tokens, base_s = [100, 100, 100, 100], [10.0, 10.0, 10.0, 10.0]
+    s, low, high = run_report.bootstrap_speedup(base_tokens, base_s, base_tokens, [5.0] * 4)
+    assert (s, low, high) == (2.0, 2.0, 2.0)  # no spread, no width
+    rng = np.random.default_rng(0)
+    new_s = rng.uniform(4, 8, 12)
+    s, low, high = run_report.bootstrap_speedup([100] * 12, [10.0] * 12, [100] * 12, new_s)
+    assert s == pytest.approx(10 / new_s.mean())
+    assert low < s < high and high - low > 0.1
+    s, low, high = run_report.bootstrap_speedup([100], [10.0], [100], [5.0])
+    assert s == 2.0 and np.isnan(low) and np.isnan(high)  # one unit: no interval

@@ -155,3 +155,15 @@ def test_a_bfloat16_model_gives_float32_logits():
     cache = KVCache.create(config, 2, 8, dtype=jnp.bfloat16)
     logits, _ = model(jnp.ones((2, 3), jnp.int32), cache)
     assert logits.dtype == jnp.float32 and logits.shape == (2, 3, 40)
+
+
+def test_traced_temperature_and_top_p_match_python_numbers():
+    """Sampling settings are traced in the decoders (one program for every value)."""
+    logits = jax.random.normal(jax.random.key(4), (6, 30)) * 2
+    fn = jax.jit(Vf.sampling_log_probs)
+    for t, top_p in ((1.0, 1.0), (0.7, 0.85), (1.6, 0.3)):
+        np.testing.assert_allclose(
+            fn(logits, jnp.float32(t), jnp.float32(top_p)),
+            Vf.sampling_log_probs(logits, t, top_p),
+            rtol=1e-6,
+        )
