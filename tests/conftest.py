@@ -37,6 +37,23 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+    """Frees each module's compiled programs after it: a CPU executable holds hundreds of
+    memory maps until freed, and the whole suite in one process would otherwise reach the
+    system's limit (65,530) and crash inside XLA."""
+    yield
+    import gc
+
+    import jax
+
+    from jaxcert.decoding import api
+
+    api.clear_compiled()
+    jax.clear_caches()
+    gc.collect()
+
+
 # A tiny checkpoint and four short prompts for the CLI tests that compare runs (mesh, processes).
 
 

@@ -29,6 +29,7 @@ Example::
 from jaxcert.decoding.api import (
     DecodeOutput,
     check_pair,
+    clear_compiled,
     compilations,
     speculative_decode,
     split_model,
@@ -81,6 +82,7 @@ __all__ = [
     "Verification",
     "bucket",
     "check_pair",
+    "clear_compiled",
     "compilations",
     "in_accepted_set",
     "parse_policy",

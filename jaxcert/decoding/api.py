@@ -14,6 +14,7 @@ avoid the transfer), and the caches and logits stay split as the models' layouts
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
@@ -37,14 +38,24 @@ __all__ = [
     "COMPILER_OPTIONS",
     "DecodeOutput",
     "check_pair",
+    "clear_compiled",
     "compilations",
     "speculative_decode",
     "split_model",
     "target_decode",
 ]
 
-_COMPILED: dict = {}
+# Compiled decoders, least recently used first. Bounded: every CPU executable holds
+# hundreds of memory maps (measured: about 580 per decoder program of a tiny model) until it
+# is freed, and a process dies at the system's map limit (65,530 by default).
+_COMPILED: collections.OrderedDict = collections.OrderedDict()
+MAX_PROGRAMS = 48
 _COMPILE_COUNT = [0]  # programs compiled by this process (see `compilations`)
+
+
+def clear_compiled() -> None:
+    """Frees every compiled decoder of this process (the next call compiles again)."""
+    _COMPILED.clear()
 
 
 def compilations() -> int:
@@ -205,6 +216,9 @@ def _compile(fn, args: tuple, static: dict, on_compile: Callable[[str], None] | 
         lowered = fn.lower(*args, **static)
         _COMPILED[signature] = lowered.compile(compiler_options=dict(options) or None)
         _COMPILE_COUNT[0] += 1
+        while len(_COMPILED) > MAX_PROGRAMS:  # evict the least recently used program
+            _COMPILED.popitem(last=False)
+    _COMPILED.move_to_end(signature)
     return _COMPILED[signature]
 
 

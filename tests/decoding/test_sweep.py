@@ -92,3 +92,20 @@ def test_a_sweep_compiles_a_bounded_number_of_programs_with_flat_memory(target, 
     assert compiled == compiled_warm  # the last 140 configurations compiled nothing
     assert _maps() - maps <= 20, (maps, _maps())
     assert _rss_mb() - rss <= 64, (rss, _rss_mb(), peak)
+
+
+def test_compiled_programs_are_bounded(target, drafters, monkeypatch):
+    """The cache of compiled decoders evicts the least recently used program beyond
+    MAX_PROGRAMS (each holds hundreds of memory maps); evicted shapes compile again."""
+    from jaxcert.decoding import api
+
+    monkeypatch.setattr(api, "MAX_PROGRAMS", 2)
+    api.clear_compiled()
+    first = _run(target, drafters["similar"], ("greedy", 5, (), 0.0, 1.0, "constant:2"))
+    _run(target, drafters["similar"], ("greedy", 20, (), 0.0, 1.0, "constant:2"))
+    assert len(api._COMPILED) == 2
+    before = decoding.compilations()
+    again = _run(target, drafters["similar"], ("greedy", 5, (), 0.0, 1.0, "constant:2"))
+    assert decoding.compilations() - before == 2 and again.compiled == 2  # it was evicted
+    for a, b in zip(first.tokens, again.tokens, strict=True):
+        np.testing.assert_array_equal(a, b)
