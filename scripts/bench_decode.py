@@ -136,17 +136,6 @@ class _Runs:
         return float(np.sum(self.tokens) / np.sum(self.seconds))
 
 
-def _paired_ratio(a: _Runs, b: _Runs, base: _Runs, samples=4000, seed=0):
-    """Speedup of ``a`` over ``b`` (both against ``base``) with a paired 95% bootstrap
-    interval over prompts: ``(ratio, low, high)``."""
-    at, as_, bt, bs = (np.asarray(x, float) for x in (a.tokens, a.seconds, b.tokens, b.seconds))
-    ratio = (at.sum() / as_.sum()) / (bt.sum() / bs.sum())
-    idx = np.random.default_rng(seed).integers(0, at.size, (samples, at.size))
-    r = (at[idx].sum(1) / as_[idx].sum(1)) / (bt[idx].sum(1) / bs[idx].sum(1))
-    low, high = np.percentile(r, [2.5, 97.5])
-    return float(ratio), float(low), float(high)
-
-
 def _decode_all(target, drafter, encoded, args, eos, temperatures, policies, shapes, log):
     width = decoding.bucket(max(len(e) for e in encoded))
     results: dict = {}
@@ -244,14 +233,15 @@ def _comparisons(results, temperatures, shapes):
     """cert vs svip per shape, svip vs constant, best vs the rest: paired intervals."""
     out = []
     for t in temperatures:
-        base = results[(t, "target", "-")]
         for shape in shapes:
             specs = {p for (tt, s, p) in results if tt == t and s == shape}
             pairs = [("cert", "svip:0.3"), ("svip:0.3", "constant:4")]
             for a, b in pairs:
                 if a in specs and b in specs:
-                    ratio, low, high = _paired_ratio(
-                        results[t, shape, a], results[t, shape, b], base
+                    # Speedup of a over b, paired by prompt: b plays the baseline.
+                    ra, rb = results[t, shape, a], results[t, shape, b]
+                    ratio, low, high = run_report.bootstrap_speedup(
+                        rb.tokens, rb.seconds, ra.tokens, ra.seconds
                     )
                     out.append(
                         {

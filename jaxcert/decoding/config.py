@@ -15,6 +15,7 @@ import dataclasses
 from jaxcert._validate import check_float, check_int, check_probability, round_up
 from jaxcert.decoding import policies as policies_lib
 from jaxcert.decoding import tree as tree_lib
+from jaxcert.decoding.state import Settings
 from jaxcert.decoding.verify import Verification, parse_verify
 
 __all__ = ["DecodeConfig", "Sizes", "bucket", "check_sampling"]
@@ -53,7 +54,8 @@ class DecodeConfig:
       max_draft: deepest chain (``K_max``); trees use their own depth.
       temperature: ``0`` for deterministic rules, ``> 0`` for sampling (traced).
       top_p: nucleus truncation for sampling (``1.0``: none; traced).
-      eos_ids: tokens that end a row (kept in its output; at most 8; traced).
+      eos_ids: tokens that end a row (kept in its output; at most ``Settings.MAX_EOS``, 8;
+        traced).
       collect_stats: compute certificates for every drafted node (KL and entropies are always
         computed).
       buckets: verification widths in drafted nodes (sorted; the last must be the node
@@ -77,8 +79,10 @@ class DecodeConfig:
         if not isinstance(self.verification, Verification):
             raise ValueError(f"verification must be a Verification, got {self.verification!r}")
         object.__setattr__(self, "eos_ids", tuple(int(i) for i in self.eos_ids))
-        if len(self.eos_ids) > 8:
-            raise ValueError(f"at most 8 end tokens, got {len(self.eos_ids)}: {self.eos_ids}")
+        if len(self.eos_ids) > Settings.MAX_EOS:
+            raise ValueError(
+                f"at most {Settings.MAX_EOS} end tokens, got {len(self.eos_ids)}: {self.eos_ids}"
+            )
         for name in ("max_new_tokens", "max_draft", "rounds_per_call"):
             check_int(name, getattr(self, name))
         check_sampling(self.temperature, self.top_p)
