@@ -11,7 +11,8 @@ every program is compiled before the first timed run (a warm-up on the first pro
 Per configuration: the speedup over target-only (ratio of total tokens/s) with a 95%
 bootstrap interval over prompts, the acceptance length, and at T = 0 whether every output
 equals target-only greedy decoding. Pairs of configurations are compared by a paired
-bootstrap of their speedup ratio over prompts; a difference is called significant when the
+bootstrap of their speedup ratio over prompts (cert vs svip and svip vs constant per shape;
+the fastest configuration vs each other one); a difference is called significant when the
 interval of the ratio excludes 1.
 
 Also (``--batch-sizes``): tokens/s of whole batches for target-only and the best
@@ -33,6 +34,7 @@ import argparse
 import dataclasses
 import gc
 import json
+import os
 import pathlib
 import sys
 import time
@@ -67,13 +69,19 @@ def _args(argv=None):
     p.add_argument("--shapes", default=DEFAULT_SHAPES, help="chain, tree:MxD, dyntree:MxDxN")
     p.add_argument("--max-draft", type=int, default=40, help="deepest chain (policy cap)")
     p.add_argument(
+        "--tree-policies",
+        default=None,
+        help="policies for the tree shapes (default: every --policies one)",
+    )
+    p.add_argument(
         "--buckets",
-        default="1,2,3,4,5,6,7,8,10,12,16,24,32,40",
-        help="chain verification widths (drafted tokens); trees use their levels",
+        default=None,
+        help="chain verification widths, e.g. 1,2,4,8,16,24,40 (default: DecodeConfig's)",
     )
     p.add_argument("--batch-sizes", default="", help="e.g. 1,4,8: whole-batch throughput")
     p.add_argument("--hf-peer", action="store_true", help="also time transformers (PyTorch)")
     p.add_argument("--hf-threads", type=int, default=2)
+    p.add_argument("--hf-prompts", type=int, default=None, help="the first N prompts only")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--out",
@@ -100,7 +108,7 @@ def _config(shape: str, temperature: float, args, eos) -> decoding.DecodeConfig:
     rule = "greedy" if temperature == 0 else "sample"
     verify = rule if shape == "chain" else f"{shape}+{rule}"
     buckets = None
-    if shape == "chain":
+    if shape == "chain" and args.buckets:
         buckets = tuple(b for b in map(int, args.buckets.split(",")) if b < args.max_draft)
         buckets += (args.max_draft,)
     return decoding.DecodeConfig(
@@ -136,10 +144,18 @@ class _Runs:
         return float(np.sum(self.tokens) / np.sum(self.seconds))
 
 
-def _decode_all(target, drafter, encoded, args, eos, temperatures, policies, shapes, log):
+def _decode_all(target, drafter, encoded, args, eos, temperatures, policies, shapes, log, save):
+    """Every configuration on every prompt; compilation (the first call of each program) is
+    timed apart (``compile_s``) and not in the decode seconds. ``save(results)`` runs after
+    every prompt, so an interrupted run keeps what it measured."""
     width = decoding.bucket(max(len(e) for e in encoded))
     results: dict = {}
     key = jax.random.key(args.seed)
+    rng = np.random.default_rng(args.seed)
+    tree_pols = policies
+    if args.tree_policies:
+        tree_pols = [decoding.parse_policy(p) for p in args.tree_policies.split(",")]
+        policies = policies + [p for p in tree_pols if p not in policies]
     for temperature in temperatures:
         configs = {shape: _config(shape, temperature, args, eos) for shape in shapes}
         kw = dict(
@@ -148,40 +164,24 @@ def _decode_all(target, drafter, encoded, args, eos, temperatures, policies, sha
             eos_ids=eos,
             prompt_width=width,
         )
-        # Warm-up: compile every program on the first prompt, untimed.
-        t0, before = time.perf_counter(), decoding.compilations()
-        decoding.target_decode(target, [encoded[0]], **kw)
-        for shape in shapes:
-            for policy in policies:
-                decoding.speculative_decode(
-                    target,
-                    drafter,
-                    [encoded[0]],
-                    policy=policy,
-                    config=configs[shape],
-                    prompt_width=width,
-                )
-        log(
-            f"[bench] T={temperature}: compiled {decoding.compilations() - before} programs in "
-            f"{time.perf_counter() - t0:.0f} s (warm-up)"
-        )
         base = results.setdefault((temperature, "target", "-"), _Runs())
         for i, prompt in enumerate(encoded):
             key, sub = jax.random.split(key)
             first = decoding.target_decode(target, [prompt], key=sub, **kw)
             outs = {}
-            for shape in shapes:
-                for policy in policies:
-                    key, sub = jax.random.split(key)
-                    outs[shape, policy.spec] = decoding.speculative_decode(
-                        target,
-                        drafter,
-                        [prompt],
-                        policy=policy,
-                        config=configs[shape],
-                        key=sub,
-                        prompt_width=width,
-                    )
+            order = [(s, p) for s in shapes for p in policies if s == "chain" or p in tree_pols]
+            for j in rng.permutation(len(order)):  # a new order per prompt: no drift bias
+                shape, policy = order[j]
+                key, sub = jax.random.split(key)
+                outs[shape, policy.spec] = decoding.speculative_decode(
+                    target,
+                    drafter,
+                    [prompt],
+                    policy=policy,
+                    config=configs[shape],
+                    key=sub,
+                    prompt_width=width,
+                )
             again = decoding.target_decode(target, [prompt], key=sub, **kw)
             seconds = (first.decode_s + again.decode_s) / 2
             base.add(first.num_tokens, seconds)
@@ -196,6 +196,7 @@ def _decode_all(target, drafter, encoded, args, eos, temperatures, policies, sha
                 f"{first.num_tokens / seconds:.2f} tok/s, best {best[0]} "
                 f"{best[1].num_tokens / best[1].decode_s:.2f} tok/s"
             )
+            save(results)
     return results, width
 
 
@@ -229,31 +230,35 @@ def _rows(results):
     return rows
 
 
+def _paired(results, t, a, b) -> dict:
+    """Speedup of configuration ``a`` over ``b`` (each ``(shape, policy)``), paired by prompt."""
+    ra, rb = results[(t, *a)], results[(t, *b)]
+    ratio, low, high = run_report.bootstrap_speedup(rb.tokens, rb.seconds, ra.tokens, ra.seconds)
+    return {
+        "temperature": t,
+        "a": " ".join(a),
+        "b": " ".join(b),
+        "ratio": round(ratio, 3),
+        "ci95": [round(low, 3), round(high, 3)],
+        "significant": bool(low > 1 or high < 1),
+    }
+
+
 def _comparisons(results, temperatures, shapes):
-    """cert vs svip per shape, svip vs constant, best vs the rest: paired intervals."""
+    """Paired intervals: cert vs svip and svip vs constant per shape, and the fastest
+    configuration of each temperature against every other one."""
     out = []
     for t in temperatures:
+        spec = [k[1:] for k in results if k[0] == t and k[1] != "target"]
+        if spec:
+            best = max(spec, key=lambda k: results[(t, *k)].rate)
+            out += [_paired(results, t, best, other) for other in spec if other != best]
         for shape in shapes:
-            specs = {p for (tt, s, p) in results if tt == t and s == shape}
-            pairs = [("cert", "svip:0.3"), ("svip:0.3", "constant:4")]
-            for a, b in pairs:
-                if a in specs and b in specs:
-                    # Speedup of a over b, paired by prompt: b plays the baseline.
-                    ra, rb = results[t, shape, a], results[t, shape, b]
-                    ratio, low, high = run_report.bootstrap_speedup(
-                        rb.tokens, rb.seconds, ra.tokens, ra.seconds
-                    )
-                    out.append(
-                        {
-                            "temperature": t,
-                            "shape": shape,
-                            "a": a,
-                            "b": b,
-                            "ratio": round(ratio, 3),
-                            "ci95": [round(low, 3), round(high, 3)],
-                            "significant": bool(low > 1 or high < 1),
-                        }
-                    )
+            specs = {p.split(":")[0]: p for (tt, s, p) in results if tt == t and s == shape}
+            for a, b in (("cert", "svip"), ("svip", "constant")):
+                pair = (f"{shape} {specs.get(a)}", f"{shape} {specs.get(b)}")
+                if a in specs and b in specs and pair not in {(c["a"], c["b"]) for c in out}:
+                    out.append(_paired(results, t, (shape, specs[a]), (shape, specs[b])))
     return out
 
 
@@ -268,7 +273,7 @@ def _batches(target, drafter, encoded, args, eos, best, width, log):
         batches = [encoded[i : i + b] for i in range(0, usable, b)]
         for name in ("target", "speculative"):
             tokens = seconds = 0.0
-            for j, batch in enumerate(batches):
+            for batch in batches:  # decode_s excludes compilation
                 if name == "target":
                     out = decoding.target_decode(
                         target,
@@ -281,8 +286,6 @@ def _batches(target, drafter, encoded, args, eos, best, width, log):
                     out = decoding.speculative_decode(
                         target, drafter, batch, policy=policy, config=config, prompt_width=width
                     )
-                if j == 0 and out.compiled:  # a new shape: its first batch is a warm-up
-                    continue
                 tokens += out.num_tokens
                 seconds += out.decode_s
             rows.append(
@@ -315,6 +318,7 @@ def _hf_peer(args, encoded, log):
         "assisted heuristic": {"num_assistant_tokens_schedule": "heuristic"},
         "assisted constant": {"num_assistant_tokens_schedule": "constant"},
     }
+    encoded = encoded[: args.hf_prompts]
     for name, options in runs.items():
         tokens, seconds = [], []
         for ids in encoded:
@@ -370,8 +374,24 @@ def main(argv=None) -> int:
         f"[bench] loaded in {load_s:.0f} s; {len(encoded)} prompts; {len(shapes)} shapes x "
         f"{len(policies)} policies x T in {temperatures}"
     )
+    meta = {
+        "command": " ".join(sys.argv),
+        "prompts": [p.id for p in prompt_set],
+        "max_new_tokens": args.max_new_tokens,
+        "load_s": round(load_s, 1),
+        "cpu_count": os.cpu_count(),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(**body):
+        meta["total_s"] = round(time.perf_counter() - t0, 1)
+        args.out.write_text(json.dumps(meta | body, indent=2, default=str))
+
+    def save(results):  # after every prompt: partial rows survive an interrupted run
+        write(rows=_rows(results), comparisons=_comparisons(results, temperatures, shapes))
+
     results, width = _decode_all(
-        target, drafter, encoded, args, eos, temperatures, policies, shapes, log
+        target, drafter, encoded, args, eos, temperatures, policies, shapes, log, save
     )
     rows = _rows(results)
     comparisons = _comparisons(results, temperatures, shapes)
@@ -382,22 +402,14 @@ def main(argv=None) -> int:
         batch_rows = _batches(
             target, drafter, encoded, args, eos, (best["shape"], best["policy"]), width, log
         )
+        write(rows=rows, comparisons=comparisons, batches=batch_rows)
     hf_rows = []
     if args.hf_peer:
         del target, drafter
         gc.collect()
         hf_rows = _hf_peer(args, encoded, log)
     print(_tables(rows, comparisons, batch_rows, hf_rows))
-    meta = {
-        "command": " ".join(sys.argv),
-        "prompts": [p.id for p in prompt_set],
-        "max_new_tokens": args.max_new_tokens,
-        "load_s": round(load_s, 1),
-        "total_s": round(time.perf_counter() - t0, 1),
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    body = {"rows": rows, "comparisons": comparisons, "batches": batch_rows, "hf": hf_rows}
-    args.out.write_text(json.dumps(meta | body, indent=2, default=str))
+    write(rows=rows, comparisons=comparisons, batches=batch_rows, hf=hf_rows)
     log(f"[bench] wrote {args.out} in {meta['total_s']:.0f} s")
     return 0
 
@@ -418,13 +430,13 @@ def _tables(rows, comparisons, batch_rows, hf_rows) -> str:
     if comparisons:
         lines += [
             "",
-            "| T | draft | A vs B | ratio [95% CI] | significant |",
-            "|---|---|---|---|---|",
+            "| T | A vs B | ratio [95% CI] | significant |",
+            "|---|---|---|---|",
         ]
         for c in comparisons:
             lo, hi = c["ci95"]
             lines.append(
-                f"| {c['temperature']:g} | {c['shape']} | {c['a']} vs {c['b']} | "
+                f"| {c['temperature']:g} | {c['a']} vs {c['b']} | "
                 f"{c['ratio']:.3f} [{lo:.3f}, {hi:.3f}] | {c['significant']} |"
             )
     if batch_rows:

@@ -20,7 +20,14 @@ from jaxcert.decoding.verify import Verification, parse_verify
 
 __all__ = ["DecodeConfig", "Sizes", "bucket", "check_sampling"]
 
-_LEVEL_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
+# Verification widths in tree levels (chain: drafted tokens). Each width is one more copy of
+# the target's forward in the rounds program (~5 s of compilation for the 1.5B on 2 CPU cores),
+# and padding a pass to its bucket costs little where the forward is memory-bound: the 1.5B's
+# 1..40-token passes on 2 cores took 405, 515, 619, 745, 824, 750, 880 (8), 994 (10),
+# 1047 (16), 1268 (20), 1357 (24), 1561 (32) and 1786 ms (40) (scripts/bench_compile.py and
+# README, "Compile time"). Doubling to 16, then steps of 8 up to 24 and 16 beyond, keeps the
+# padding cost under ~20% of a pass with 7 programs for a 40-deep chain instead of 14.
+_LEVEL_BUCKETS = (1, 2, 4, 8, 16, 24, 40, 56, 64)
 
 
 def bucket(n: int, minimum: int = 16) -> int:
