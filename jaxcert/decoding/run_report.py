@@ -221,13 +221,15 @@ def summarize_runs(runs: Mapping[str, Sequence]) -> dict:
         out["target_only"] = base
         out["speedup"] = round(out["speculative"]["tokens_per_s"] / base["tokens_per_s"], 3)
         units = len(spec)
-        _, low, high = bootstrap_speedup(
-            [r.num_tokens for r in runs["target"]], [r.decode_s for r in runs["target"]],
-            [r.num_tokens for r in spec], [r.decode_s for r in spec],
-        )  # fmt: skip
-        out["speedup_ci95"] = [round(low, 3), round(high, 3)] if units >= MIN_UNITS else None
+        out["speedup_ci95"] = None
         out["speedup_batches"] = units
-        if units < MIN_UNITS:
+        if units >= MIN_UNITS:
+            _, low, high = bootstrap_speedup(
+                [r.num_tokens for r in runs["target"]], [r.decode_s for r in runs["target"]],
+                [r.num_tokens for r in spec], [r.decode_s for r in spec],
+            )  # fmt: skip
+            out["speedup_ci95"] = [round(low, 3), round(high, 3)]
+        else:
             out["speedup_note"] = (
                 f"{units} batch(es): too few to measure the noise of a speedup (one short "
                 f"prompt can be off by 2x); decode at least {MIN_UNITS} batches (more prompts, "

@@ -109,3 +109,20 @@ def test_compiled_programs_are_bounded(target, drafters, monkeypatch):
     assert decoding.compilations() - before == 2 and again.compiled == 2  # it was evicted
     for a, b in zip(first.tokens, again.tokens, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "verify, max_draft, want",
+    [
+        ("greedy", 40, (1, 2, 4, 8, 16, 24, 40)),  # 7 target copies, not one per depth
+        ("greedy", 8, (1, 2, 4, 8)),
+        ("greedy", 5, (1, 2, 4, 5)),
+        ("greedy", 1, (1,)),
+        ("tree:2x4", 40, (2, 4, 8)),  # levels 1, 2, 4 of 2 branches
+        ("dyntree:4x6x24", 40, (6, 12, 24)),
+    ],
+)
+def test_default_verification_buckets(verify, max_draft, want):
+    config = decoding.DecodeConfig(verification=verify, max_draft=max_draft)
+    assert config.verify_buckets() == want
+    assert config.verify_buckets()[-1] == config.num_nodes
