@@ -4,9 +4,10 @@ Loads the target and the drafter once, encodes MT-Bench first turns (by default 
 the 8 categories, none of the prompts the ``cert`` policy was tuned on) with the chat
 template and, for every temperature, decodes each prompt with the target alone and with every
 (draft shape, policy) pair, interleaved prompt by prompt so that every configuration sees the
-same machine state (the target-only run is repeated before and after each prompt's
-speculative runs and averaged). Compilation is ahead of time and excluded from the timings;
-every program is compiled before the first timed run (a warm-up on the first prompt).
+same machine state (in a new random order for each prompt; the target-only run is repeated
+before and after each prompt's speculative runs and averaged). Compilation is ahead of time
+and excluded from the timings: a program's first call compiles it before its timed decode
+loop starts. The JSON file is rewritten after every prompt.
 
 Per configuration: the speedup over target-only (ratio of total tokens/s) with a 95%
 bootstrap interval over prompts, the acceptance length, and at T = 0 whether every output
@@ -20,10 +21,11 @@ configuration; and (``--hf-peer``) Hugging Face transformers on the same GGUF pa
 ids, greedy, 2 threads: target-only and assisted generation (heuristic and constant
 schedules).
 
-Example (the README table)::
+Examples: the full protocol, and the reduced run of the README table::
 
-  python scripts/bench_decode.py --max-new-tokens 128 --temperatures 0,1 \\
-      --batch-sizes 1,4,8 --hf-peer
+  python scripts/bench_decode.py --batch-sizes 1,4,8 --hf-peer
+  python scripts/bench_decode.py --per-category 1 --max-new-tokens 64 --temperatures 0 \\
+      --tree-policies svip:0.3,cert --batch-sizes 1,4,8 --hf-peer --hf-prompts 2
 
 Prints markdown tables and writes a JSON file (``--out``).
 """
@@ -156,6 +158,7 @@ def _decode_all(target, drafter, encoded, args, eos, temperatures, policies, sha
     if args.tree_policies:
         tree_pols = [decoding.parse_policy(p) for p in args.tree_policies.split(",")]
         policies = policies + [p for p in tree_pols if p not in policies]
+    order = [(s, p) for s in shapes for p in policies if s == "chain" or p in tree_pols]
     for temperature in temperatures:
         configs = {shape: _config(shape, temperature, args, eos) for shape in shapes}
         kw = dict(
@@ -169,7 +172,6 @@ def _decode_all(target, drafter, encoded, args, eos, temperatures, policies, sha
             key, sub = jax.random.split(key)
             first = decoding.target_decode(target, [prompt], key=sub, **kw)
             outs = {}
-            order = [(s, p) for s in shapes for p in policies if s == "chain" or p in tree_pols]
             for j in rng.permutation(len(order)):  # a new order per prompt: no drift bias
                 shape, policy = order[j]
                 key, sub = jax.random.split(key)
@@ -247,19 +249,18 @@ def _paired(results, t, a, b) -> dict:
 def _comparisons(results, temperatures, shapes):
     """Paired intervals: cert vs svip and svip vs constant per shape, and the fastest
     configuration of each temperature against every other one."""
-    out = []
+    pairs = []  # (t, a, b) with a, b = (shape, policy spec); each pair once
     for t in temperatures:
         spec = [k[1:] for k in results if k[0] == t and k[1] != "target"]
         if spec:
             best = max(spec, key=lambda k: results[(t, *k)].rate)
-            out += [_paired(results, t, best, other) for other in spec if other != best]
+            pairs += [(t, best, other) for other in spec if other != best]
         for shape in shapes:
             specs = {p.split(":")[0]: p for (tt, s, p) in results if tt == t and s == shape}
             for a, b in (("cert", "svip"), ("svip", "constant")):
-                pair = (f"{shape} {specs.get(a)}", f"{shape} {specs.get(b)}")
-                if a in specs and b in specs and pair not in {(c["a"], c["b"]) for c in out}:
-                    out.append(_paired(results, t, (shape, specs[a]), (shape, specs[b])))
-    return out
+                if a in specs and b in specs:
+                    pairs.append((t, (shape, specs[a]), (shape, specs[b])))
+    return [_paired(results, *pair) for pair in dict.fromkeys(pairs)]
 
 
 def _batches(target, drafter, encoded, args, eos, best, width, log):
