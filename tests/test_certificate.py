@@ -392,3 +392,27 @@ def _on_threshold(p, rule):
         pos = p[p > 0]
         level = min(base.eps, base.delta * np.exp(np.sum(pos * np.log(pos))))
     return bool(np.any(np.isclose(p, level, rtol=1e-9, atol=0)))
+
+
+@pytest.mark.parametrize("vocab", [4, 10_000])  # lax.top_k directly, and the grouped top-k
+def test_signed_zeros_are_one_value_for_solver_and_verifier(vocab):
+    """``-0.0`` and ``+0.0`` tie: the solver's ``x0`` is ``argmax``'s (lower id) and its
+    ``q*`` is rejected by the verifier's own accepted set (``lax.top_k`` alone orders
+    ``+0.0`` first)."""
+    from jaxcert.decoding import verify
+
+    rows = np.full((3, vocab), -5.0, np.float32)
+    rows[0, :3] = [-0.0, 0.0, -1.0]  # x0 = 0, not 1
+    rows[1, :4] = [1.0, -0.0, 0.0, -1.0]  # topk:2 accepts {0, 1}; the competitor is 2
+    rows[2, vocab - 2 :] = [-0.0, 0.0]  # the tie at the end of the row
+    rules = (R.StrictGreedy(), R.TargetTopK(2), R.TreeCoverage(2))
+    certs = jaxcert.certificates(jnp.asarray(rows), rules, return_q=True)
+    assert certs[0].greedy_token.tolist() == np.argmax(rows, axis=-1).tolist() == [0, 0, vocab - 2]
+    # U holds at most 2 tokens here, all among these (the rest are at -5).
+    ids = np.array([0, 1, 2, 3, vocab - 2, vocab - 1])
+    for rule, cert in zip(rules, certs, strict=True):
+        q = np.asarray(cert.q_star)
+        for row in range(rows.shape[0]):
+            x = jnp.broadcast_to(jnp.asarray(rows[row]), (ids.size, vocab))
+            member = np.asarray(verify.in_accepted_set(x, jnp.asarray(ids), rule))
+            assert _rejected(q[row], ids[member], rule.list_size), (rule, row)
