@@ -37,8 +37,6 @@ is too short for that rule at that position (a longer ``top_logprobs`` helps).
 from __future__ import annotations
 
 import functools
-import json
-import math
 import os
 import pathlib
 from collections.abc import Iterator, Sequence
@@ -51,6 +49,7 @@ from jaxcert import rules as rules_lib
 from jaxcert import solver
 from jaxcert import stats as stats_lib
 from jaxcert.certify_report import rule_column
+from jaxcert.records import read_logprob_records
 
 __all__ = [
     "certify_dense",
@@ -81,23 +80,23 @@ def _dense_stats(x):
     return st.greedy_token, st.top1, st.top_coverage, st.margin, st.entropy
 
 
-def certify_dense(logits, rules: Sequence, *, first_row: int = 0) -> dict[str, np.ndarray]:
+def certify_dense(logits, rules: Sequence) -> dict[str, np.ndarray]:
     """Exact certificates and statistics of dense logits (one chunk).
 
     Args:
       logits: ``[N, V]`` float32/bfloat16/float16 logits (or log-probabilities) of the
         target ``p``; ``-inf`` is a zero-probability token.
       rules: the rules.
-      first_row: the index of the chunk's first row in the whole input (for error messages).
 
     Returns:
-      Columns ``token`` (``x0``), ``top1``, ``top10_coverage``, ``margin``, ``entropy``
-      (nats) and ``cert_<rule>`` (nats; ``inf`` where rejection is impossible), each
-      ``[N]``.
+      Columns ``valid`` (bool), ``token`` (``x0``), ``top1``, ``top10_coverage``,
+      ``margin``, ``entropy`` (nats) and ``cert_<rule>`` (nats; ``inf`` where rejection is
+      impossible), each ``[N]``. A row holding NaN or ``+inf``, or no finite logit, is no
+      distribution: ``valid`` is ``False`` and its statistics and certificates are ``nan``
+      (``token`` ``-1``); the other rows are unaffected.
 
     Raises:
-      ValueError: not ``[N, V]`` floating point, or a row with NaN / ``+inf`` / no finite
-        logit (named by its index in the chunk).
+      ValueError: not ``[N, V]`` floating point with ``N >= 1``, ``V >= 2``.
     """
     x = jnp.asarray(logits)
     if x.ndim != 2 or not jnp.issubdtype(x.dtype, jnp.floating):
@@ -107,13 +106,15 @@ def certify_dense(logits, rules: Sequence, *, first_row: int = 0) -> dict[str, n
     certs = solver.certificates(x, tuple(rules))
     token, top1, cover, margin, entropy = jax.device_get(_dense_stats(x))
     valid = np.asarray(certs[0].valid)
-    if not valid.all():
-        bad = (np.flatnonzero(~valid)[:5] + first_row).tolist()
-        raise ValueError(f"rows {bad} hold NaN or +inf logits, or no finite logit")
-    out = {"token": token.astype(np.int32), "top1": top1, "top10_coverage": cover,
-           "margin": margin, "entropy": entropy}  # fmt: skip
+
+    def masked(a):
+        return np.where(valid, np.asarray(a, np.float64), np.nan).astype(np.float32)
+
+    out = {"valid": valid, "token": np.where(valid, token, -1).astype(np.int32),
+           "top1": masked(top1), "top10_coverage": masked(cover), "margin": masked(margin),
+           "entropy": masked(entropy)}  # fmt: skip
     for rule, cert in zip(rules, certs, strict=True):
-        out[rule_column(rule)] = np.asarray(cert.value)
+        out[rule_column(rule)] = masked(cert.value)
     return out
 
 
@@ -163,17 +164,28 @@ def _open_dense(path: pathlib.Path, tensor: str | None):
 
 
 def iter_dense_file(
-    path: str | os.PathLike, *, chunk_rows: int = 64, tensor: str | None = None
+    path: str | os.PathLike,
+    *,
+    chunk_rows: int = 64,
+    tensor: str | None = None,
+    vocab_size: int | None = None,
 ) -> Iterator[tuple[dict[str, np.ndarray], np.ndarray]]:
     """Streams a dense dump in chunks of at most ``chunk_rows`` rows (memory: one chunk).
+
+    Args:
+      path: a ``.npy`` or ``.safetensors`` file holding ``[N, V]`` or ``[B, T, V]`` logits.
+      chunk_rows: rows per chunk.
+      tensor: the tensor's name in a ``.safetensors`` file holding several.
+      vocab_size: ``V`` when known: the last axis must have it (a transposed ``[V, N]``
+        dump is refused instead of certified as ``V`` positions of ``N`` tokens).
 
     Yields:
       ``(index, logits)``: index columns (``sequence`` and ``position`` for ``[B, T, V]``,
       ``row`` for ``[N, V]``) and the chunk's ``[n, V]`` logits in their stored dtype.
 
     Raises:
-      ValueError: another suffix, an unreadable file, a missing tensor, another rank, or a
-        non-floating dtype.
+      ValueError: another suffix, an unreadable file, a missing tensor, another rank, a
+        last axis other than ``vocab_size``, or a non-floating dtype.
     """
     path = pathlib.Path(path)
     if not path.is_file():
@@ -183,6 +195,17 @@ def iter_dense_file(
         raise ValueError(f"{path}: logits must be [N, V] or [B, T, V] with V >= 2, got {shape}")
     if 0 in shape:
         raise ValueError(f"{path}: no positions (shape {shape})")
+    if vocab_size is not None and shape[-1] != vocab_size:
+        hint = (
+            f"; its axis {shape.index(vocab_size)} has {vocab_size} entries: the dump looks "
+            "transposed (save it as [N, V] or [B, T, V], vocabulary last)"
+            if vocab_size in shape
+            else ""
+        )
+        raise ValueError(
+            f"{path}: the last axis has {shape[-1]} entries but --vocab-size is {vocab_size} "
+            f"(shape {shape}){hint}"
+        )
     if len(shape) == 2:
         for start in range(0, shape[0], chunk_rows):
             stop = min(shape[0], start + chunk_rows)
@@ -260,6 +283,21 @@ def _window_certificate(top_x, entropy, *, rule, vocab: int):
     )
     sol, _ = solver._solve_window(prep, rule, window, vocab)
     return solver._finish(prep, sol, False, None).value
+
+
+def _window_values(top_x, entropy, rule, vocab: int) -> np.ndarray:
+    """:func:`_window_certificate` with the rows padded to a power of two (>= 8), so that
+    files of different lengths share compiled programs."""
+    n = top_x.shape[0]
+    rows = max(8, 1 << max(0, n - 1).bit_length())
+    pad = jnp.zeros((rows - n, top_x.shape[1]), top_x.dtype).at[:, 1:].set(-jnp.inf)
+    value = _window_certificate(
+        jnp.concatenate([top_x, pad]),
+        jnp.asarray(np.r_[entropy, np.zeros(rows - n)], jnp.float32),
+        rule=rule,
+        vocab=vocab,
+    )
+    return np.asarray(value, np.float64)[:n]
 
 
 def certify_top_logprobs(
@@ -351,131 +389,9 @@ def certify_top_logprobs(
             )
             determined = determined | everything
         h = np.zeros(len(x), np.float32) if entropy is None else entropy
-        value = np.asarray(
-            _window_certificate(top_x, jnp.asarray(h, jnp.float32), rule=rule, vocab=vocab),
-            np.float64,
-        )
+        value = _window_values(top_x, h, rule, vocab)
         if rule.static_upper_size is None:
             value = np.where(everything, np.inf, value)
         out[rule_column(rule)] = np.where(determined, value, np.nan)
         out[determined_column(rule)] = np.asarray(determined, bool)
     return out
-
-
-def _entries(position) -> list[float]:
-    """The log-probabilities of one position's top list, in any of the engines' spellings."""
-    if isinstance(position, dict) and "top_logprobs" in position:
-        entries = position["top_logprobs"]
-    elif isinstance(position, dict) and "probs" in position:  # llama.cpp /completion
-        entries = position["probs"]
-    elif isinstance(position, dict) and "top_tokens" in position:
-        entries = position["top_tokens"]
-    else:
-        entries = position
-    if isinstance(entries, dict):  # legacy completions: {token: logprob}
-        return [float(v) for v in entries.values()]
-    values = []
-    for e in entries or ():
-        if isinstance(e, dict) and "logprob" in e:
-            values.append(float(e["logprob"]))
-        elif isinstance(e, dict) and "prob" in e:
-            values.append(math.log(e["prob"]) if e["prob"] > 0 else -math.inf)
-        else:
-            raise ValueError(f"an entry without 'logprob' or 'prob': {str(e)[:80]}")
-    return values
-
-
-def _sequences(record) -> list[list]:
-    """The per-position top lists of each sequence (choice) of one response record."""
-    if isinstance(record, dict) and "choices" in record:
-        out = []
-        for choice in record["choices"]:
-            lp = choice.get("logprobs") or {}
-            if "content" in lp:  # chat completions
-                out.append(lp["content"] or [])
-            elif "top_logprobs" in lp:  # completions: list of {token: logprob}
-                out.append(lp["top_logprobs"] or [])
-            else:
-                raise ValueError("a choice without logprobs (request top_logprobs / logprobs)")
-        return out
-    if isinstance(record, dict) and "details" in record:  # TGI
-        return [record["details"].get("top_tokens") or []]
-    if isinstance(record, dict) and "completion_probabilities" in record:  # llama.cpp
-        return [record["completion_probabilities"]]
-    if isinstance(record, dict) and "content" in record and isinstance(record["content"], list):
-        return [record["content"]]  # a bare logprobs object
-    if isinstance(record, list):
-        return [record]
-    raise ValueError(
-        "unrecognised record: expected an OpenAI-style response with choices[].logprobs, "
-        "a logprobs object with 'content', TGI 'details' or llama.cpp "
-        "'completion_probabilities'"
-    )
-
-
-def read_logprob_records(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """Reads top-``K`` log-probability records (JSON Lines, or one JSON document).
-
-    Accepts per line: an OpenAI-compatible chat or completions response (vLLM, SGLang,
-    llama.cpp server, TGI's OpenAI route), a bare ``logprobs`` object, TGI's native
-    ``details.top_tokens`` or llama.cpp's ``completion_probabilities`` (``prob`` or
-    ``logprob``).
-
-    Returns:
-      ``(index, logprobs)``: index columns ``record`` (0-based line), ``choice`` and
-      ``position``, and ``[N, K]`` log-probabilities padded with ``-inf``.
-
-    Raises:
-      ValueError: unreadable JSON or an unrecognised record, naming the line.
-    """
-    path = pathlib.Path(path)
-    if not path.is_file():
-        raise ValueError(f"records file not found: {path}")
-    text = path.read_text(encoding="utf-8")
-    stripped = text.lstrip()
-    whole = None
-    if stripped.startswith(("[", "{")):
-        try:
-            whole = json.loads(text)  # one (possibly pretty-printed) document
-        except json.JSONDecodeError:
-            whole = None  # JSON Lines (or broken): read line by line below
-    if isinstance(whole, dict):
-        lines = [(0, whole)]
-    elif stripped.startswith("["):
-        try:
-            documents = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}: invalid JSON ({err})") from None
-        lines = list(enumerate(documents))
-    else:
-        lines = []
-        for number, line in enumerate(text.splitlines()):
-            if line.strip():
-                try:
-                    lines.append((number, json.loads(line)))
-                except json.JSONDecodeError as err:
-                    raise ValueError(f"{path}:{number + 1}: invalid JSON ({err.msg})") from None
-    rows, index = [], {"record": [], "choice": [], "position": []}
-    for number, record in lines:
-        try:
-            sequences = _sequences(record)
-            for c, positions in enumerate(sequences):
-                for t, position in enumerate(positions):
-                    rows.append(_entries(position))
-                    index["record"].append(number)
-                    index["choice"].append(c)
-                    index["position"].append(t)
-        except (ValueError, TypeError, KeyError, AttributeError) as err:
-            raise ValueError(f"{path}:{number + 1}: {err}") from None
-    if not rows:
-        raise ValueError(f"{path}: no positions with top log-probabilities")
-    width = max(len(r) for r in rows)
-    logprobs = np.full((len(rows), width), -np.inf)
-    for i, r in enumerate(rows):
-        logprobs[i, : len(r)] = r
-    columns = {
-        "record": np.asarray(index["record"], np.int64),
-        "choice": np.asarray(index["choice"], np.int32),
-        "position": np.asarray(index["position"], np.int32),
-    }
-    return columns, logprobs

@@ -105,7 +105,7 @@ def test_bad_top_logprobs_are_named():
 def _chat_record(top):
     """One OpenAI chat-completions response carrying these [T, K] top log-probabilities."""
     content = [
-        {"token": f"t{j}", "logprob": float(row[0]), "bytes": [116],
+        {"token": "t0", "logprob": float(row[0]), "bytes": [116],
          "top_logprobs": [{"token": f"t{i}", "logprob": float(lp), "bytes": [116]}
                           for i, lp in enumerate(row)]}
         for j, row in enumerate(top)
@@ -133,7 +133,7 @@ def test_record_formats(tmp_path):
     for name, record in spellings.items():
         path = tmp_path / f"{name}.jsonl"
         path.write_text(json.dumps(record) + "\n\n" + json.dumps(record) + "\n")
-        index, logprobs = certify_logits.read_logprob_records(path)
+        index, logprobs, _ = certify_logits.read_logprob_records(path)
         assert index["record"].tolist() == [0] * 6 + [2] * 6, name
         assert index["position"].tolist() == list(range(6)) * 2, name
         got = certify_logits.certify_top_logprobs(logprobs, RULES, vocab_size=30)
@@ -181,8 +181,7 @@ def test_dense_files_stream_in_chunks_and_match_the_solver(tmp_path):
     assert cli.main(args) == 2
     np.save(tmp_path / "ints.npy", np.zeros((2, 5), np.int32))
     (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
-    np.save(tmp_path / "nan.npy", np.full((2, 5), np.nan, np.float32))
-    for name in ("ints.npy", "junk.safetensors", "nan.npy", "missing.npy"):
+    for name in ("ints.npy", "junk.safetensors", "missing.npy"):
         out = tmp_path / f"o-{name}"
         assert cli.main(["certify-logits", str(tmp_path / name), "--out", str(out)]) == 2, name
         assert not (out / "certificates.parquet").exists()
@@ -260,15 +259,21 @@ def test_more_bad_inputs_are_named(tmp_path, capsys):
             list(certify_logits.iter_dense_file(tmp_path / name))
     # A pretty-printed single response is one document, not JSON Lines.
     (tmp_path / "pretty.json").write_text(json.dumps(_chat_record(top), indent=2))
-    index, logprobs = certify_logits.read_logprob_records(tmp_path / "pretty.json")
+    index, logprobs, _ = certify_logits.read_logprob_records(tmp_path / "pretty.json")
     assert index["position"].tolist() == [0] and np.allclose(logprobs, top)
-    # Rows are named by their index in the file, not in the chunk.
+    # A row that is no distribution is flagged (valid = false, nan), the file still certified,
+    # and named by its index in the file, not in the chunk.
     x = np.zeros((10, 4), np.float32)
     x[7, 1] = np.nan
     np.save(tmp_path / "nan.npy", x)
     rc = cli.main(["certify-logits", str(tmp_path / "nan.npy"), "--chunk-rows", "3",
                    "--out", str(tmp_path / "o")])  # fmt: skip
-    assert rc == 2 and "rows [7] hold NaN" in capsys.readouterr().err
+    assert rc == 0 and "row 7" in capsys.readouterr().err
+    table = pq.read_table(tmp_path / "o" / "certificates.parquet")
+    assert table["valid"].to_pylist() == [i != 7 for i in range(10)]
+    assert np.isnan(table["cert_greedy"][7].as_py()) and table["token"][7].as_py() == -1
+    assert table["cert_greedy"][6].as_py() == pytest.approx(0.0, abs=1e-7)  # a uniform row
+    assert "no distribution" in (tmp_path / "o" / "summary.md").read_text()
 
 
 def test_summary_percentiles_of_infinite_columns_are_infinite():

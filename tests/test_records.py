@@ -1,0 +1,227 @@
+"""Engines' log-probability records as engines write them: no record overstates a certificate."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+import jaxcert
+from jaxcert import certify_logits, cli, records
+from jaxcert import rules as R
+
+RULES = (R.StrictGreedy(), R.Additive(0.3), R.Multiplicative(0.1), R.Typical(),
+         R.TargetTopK(2), R.TreeCoverage(2), R.TreeCoverage(3, base=R.Additive(0.05)))  # fmt: skip
+
+
+def _certify(documents, vocab, rules=RULES):
+    got = records.parse_logprob_records(documents)
+    return got, certify_logits.certify_top_logprobs(got.logprobs, rules, vocab_size=vocab)
+
+
+def _dense(logp, rule) -> float:
+    return float(jaxcert.certificate(jnp.asarray(logp, jnp.float32), rule).value)
+
+
+def test_completions_sampled_token_appended_outside_the_top_n_is_not_taken_as_rank_two():
+    """The completions format lists the sampled token even outside the top N ("up to
+    logprobs + 1 elements"): here E, rank 5, with logprobs = 1. Read as the top 2 it gave
+    greedy "determined" at 0.2757 (truth 0.0253) and margin 0.48 (truth 0.20)."""
+    lp = np.log([0.50, 0.30, 0.12, 0.05, 0.02, 0.01])
+    record = {"choices": [{"logprobs": {"tokens": ["E"], "token_logprobs": [lp[4]],
+                                        "top_logprobs": [{"A": lp[0], "E": lp[4]}]}}]}  # fmt: skip
+    got, cols = _certify([record], 6, (R.StrictGreedy(),))
+    assert got.counts.sampled_dropped == 1
+    assert got.logprobs.tolist() == [[lp[0]]]
+    assert not cols["determined_greedy"][0] and math.isnan(cols["cert_greedy"][0])
+    assert math.isnan(cols["margin"][0])
+    assert _dense(lp, R.StrictGreedy()) == pytest.approx(0.02527, abs=1e-5)
+    # The sampled token heavier than everything unseen (0.3 > 1 - 0.8) is surely rank 2.
+    record["choices"][0]["logprobs"].update(tokens=["B"], token_logprobs=[lp[1]],
+                                            top_logprobs=[{"A": lp[0], "B": lp[1]}])  # fmt: skip
+    got, cols = _certify([record], 6, (R.StrictGreedy(),))
+    assert got.counts.sampled_dropped == 0 and cols["determined_greedy"][0]
+    assert cols["cert_greedy"][0] == pytest.approx(_dense(lp, R.StrictGreedy()), rel=1e-5)
+    # Lighter than the unseen mass (0.2 < 0.4), it could be an appended extra: left out,
+    # though here it is the true rank 2 (the price of never overstating).
+    lp = np.log([0.4, 0.2, 0.15, 0.15, 0.1])
+    record["choices"][0]["logprobs"].update(tokens=["B"], token_logprobs=[lp[1]],
+                                            top_logprobs=[{"A": lp[0], "B": lp[1]}])  # fmt: skip
+    got, cols = _certify([record], 5, (R.StrictGreedy(),))
+    assert got.counts.sampled_dropped == 1 and not cols["determined_greedy"][0]
+
+
+def test_duplicated_entries_make_no_fake_tie():
+    """vLLM lists the sampled token twice (same token, bytes and logprob): [A .25, A .25,
+    B .20, C .15], V = 50. Read as is, greedy was determined at 0.0 (true 0.00278) and
+    tree:2 at 0.00278 (true 0.01263)."""
+    v = 50
+    p = np.r_[0.25, 0.20, 0.15, np.full(v - 3, 0.40 / (v - 3))]
+    entry = lambda t, q: {"token": t, "logprob": math.log(q), "bytes": [ord(t)]}  # noqa: E731
+    top = [entry("A", 0.25), entry("A", 0.25), entry("B", 0.2), entry("C", 0.15)]
+    position = {**entry("A", 0.25), "top_logprobs": top}
+    record = {"choices": [{"logprobs": {"content": [position]}}]}
+    rules = (R.StrictGreedy(), R.TreeCoverage(2))
+    got, cols = _certify([record], v, rules)
+    assert got.counts.duplicates_removed == 1 and got.logprobs.shape == (1, 3)
+    assert cols["cert_greedy"][0] == pytest.approx(0.0027835, rel=1e-4)
+    assert cols["cert_tree:2"][0] == pytest.approx(0.0126336, rel=1e-4)
+    for rule in rules:
+        assert cols[f"cert_{rule.spec}"][0] == pytest.approx(_dense(np.log(p), rule), rel=1e-5)
+    # One token id with two different values is an inconsistent record, not a guess.
+    bad = [{"id": 7, "logprob": -1.0}, {"id": 7, "logprob": -2.0}]
+    with pytest.raises(ValueError, match=r"record:1: token id 7 is listed with two different"):
+        records.parse_logprob_records([{"completion_probabilities": [
+            {"id": 7, "logprob": -1.0, "top_logprobs": bad}]}])  # fmt: skip
+
+
+def test_null_positions_post_sampling_probs_and_bad_lines(tmp_path):
+    lp = np.log([0.6, 0.3, 0.1])
+    # echo: the first prompt token has no top_logprobs: a missing position, not a refusal.
+    completions = {"choices": [{"logprobs": {
+        "tokens": ["a", "b", "c"], "token_logprobs": [None, lp[0], lp[0]],
+        "top_logprobs": [None, {"b": lp[0], "x": lp[1]}, {"c": lp[0], "y": lp[1]}]}}]}  # fmt: skip
+    got = records.parse_logprob_records([completions])
+    assert got.index["position"].tolist() == [1, 2] and got.counts.missing_positions == 1
+    # llama.cpp's post_sampling_probs spelling: prob / top_probs.
+    llama = {"completion_probabilities": [
+        {"id": 5, "token": "b", "bytes": [98], "prob": 0.6,
+         "top_probs": [{"id": 5, "token": "b", "bytes": [98], "prob": 0.6},
+                       {"id": 9, "token": "x", "bytes": [120], "prob": 0.3}]}]}  # fmt: skip
+    got = records.parse_logprob_records([llama])
+    np.testing.assert_allclose(got.logprobs, [lp[:2]])
+    # SGLang native and TGI native.
+    sglang = {"text": "b", "meta_info": {"output_token_logprobs": [[lp[0], 5, "b"]],
+              "output_top_logprobs": [[[lp[0], 5, "b"], [lp[1], 9, "x"]]]}}  # fmt: skip
+    tgi = {"generated_text": "b", "details": {"tokens": [{"id": 5, "text": "b", "logprob": lp[0]}],
+           "top_tokens": [[{"id": 5, "text": "b", "logprob": lp[0]},
+                           {"id": 9, "text": "x", "logprob": lp[1]}]]}}  # fmt: skip
+    for record in (sglang, tgi):
+        np.testing.assert_allclose(records.parse_logprob_records([record]).logprobs, [lp[:2]])
+    # A truncated last line: refused with the way out named, or skipped and counted.
+    path = tmp_path / "r.jsonl"
+    path.write_text(json.dumps(completions) + "\n" + json.dumps(completions)[:40] + "\n")
+    with pytest.raises(ValueError, match=r"r.jsonl:2: invalid JSON .*--skip-bad-lines"):
+        records.read_logprob_records(path)
+    got = records.read_logprob_records(path, skip_bad_lines=True)
+    assert got.counts.bad_lines_skipped == 1 and got.counts.positions == 2
+    out = tmp_path / "out"
+    rc = cli.main(["certify-logits", str(path), "--skip-bad-lines", "--vocab-size", "3",
+                   "--rules", "greedy,tree:4", "--out", str(out)])  # fmt: skip
+    assert rc == 0
+    summary = (out / "summary.md").read_text()
+    assert "unreadable lines skipped: 1" in summary
+    assert "positions without log-probabilities (null or empty lists), skipped: 1" in summary
+    assert "tree:4: needs K >= 5 entries per position" in summary  # the records have K = 2
+    assert json.loads((out / "run.json").read_text())["records"]["bad_lines_skipped"] == 1
+
+
+def test_sentinel_entries_are_left_out():
+    lp = np.log([0.5, 0.3, 0.2])
+    position = {"token": "a", "logprob": lp[0], "top_logprobs": [
+        {"token": "a", "logprob": lp[0]}, {"token": "b", "logprob": -9999.0},
+        {"token": "c", "logprob": lp[1]}]}  # fmt: skip
+    got = records.parse_logprob_records([{"content": [position]}])
+    assert got.counts.sentinel_entries == 1
+    np.testing.assert_allclose(got.logprobs, [lp[:2]])
+
+
+def _record(rng, fmt: str, logp: np.ndarray, n: int, duplicate: bool, sentinel: bool):
+    """One position of an engine record for the distribution ``exp(logp)``: top ``n`` and a
+    sampled token, as the engine ``fmt`` spells it (its quirks included)."""
+    v = logp.size
+    order = np.argsort(-logp, kind="stable")
+    sampled = int(rng.choice(v, p=np.exp(logp) / np.exp(logp).sum()))
+    lp = logp.astype(np.float32).astype(float)  # engines return float32 values
+    top = [int(i) for i in order[:n]]
+    if fmt == "completions":  # the sampled token is appended when outside the top n
+        listed = top + ([sampled] if sampled not in top else [])
+    elif fmt == "vllm-chat":  # sampled token first, then the first n kept
+        listed = list(dict.fromkeys([sampled, *top]))[:n]
+    else:  # the true top n
+        listed = top
+    listed = [(i, lp[i]) for i in listed]
+    if sentinel:
+        outside = [int(i) for i in order[n:] if int(i) != sampled]
+        if outside:
+            listed.append((outside[0], records.SENTINEL_LOGPROB))
+    rng.shuffle(listed)
+    if duplicate and fmt != "completions":  # a dict cannot repeat a key
+        listed.insert(int(rng.integers(len(listed) + 1)), listed[int(rng.integers(len(listed)))])
+    if fmt == "completions":
+        return {"tokens": [f"t{sampled}"], "token_logprobs": [lp[sampled]],
+                "top_logprobs": [{f"t{i}": x for i, x in listed}]}  # fmt: skip
+    if fmt == "llamacpp-post":
+        return {"id": sampled, "token": f"t{sampled}", "prob": math.exp(lp[sampled]),
+                "top_probs": [{"id": i, "token": f"t{i}", "prob": math.exp(x)}
+                              for i, x in listed]}  # fmt: skip
+    if fmt == "sglang":
+        return [[lp[sampled], sampled, f"t{sampled}"], [[x, i, f"t{i}"] for i, x in listed]]
+    return {"token": f"t{sampled}", "logprob": lp[sampled], "bytes": [1, sampled],
+            "top_logprobs": [{"token": f"t{i}", "logprob": x, "bytes": [1, i]}
+                             for i, x in listed]}  # fmt: skip
+
+
+def _document(fmt: str, positions: list):
+    if fmt == "completions":
+        merged = {k: [x for p in positions for x in p[k]]
+                  for k in ("tokens", "token_logprobs", "top_logprobs")}  # fmt: skip
+        return {"choices": [{"logprobs": merged}]}
+    if fmt == "llamacpp-post":
+        return {"completion_probabilities": positions}
+    if fmt == "sglang":
+        return {"meta_info": {"output_token_logprobs": [p[0] for p in positions],
+                              "output_top_logprobs": [p[1] for p in positions]}}  # fmt: skip
+    return {"choices": [{"logprobs": {"content": positions}}]}
+
+
+FORMATS = ("chat", "completions", "vllm-chat", "llamacpp-post", "sglang")
+
+
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    phases=[Phase.explicit, Phase.reuse, Phase.generate],
+)  # shrinking takes minutes
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    fmt=st.sampled_from(FORMATS),
+    vocab=st.integers(3, 40),
+    n=st.integers(1, 6),
+    duplicates=st.booleans(),
+    sentinels=st.booleans(),
+)
+def test_no_record_yields_a_determined_certificate_other_than_the_dense_solvers(
+    seed, fmt, vocab, n, duplicates, sentinels
+):
+    """Records built from known distributions, with random top-n lengths, appended or
+    substituted sampled tokens, duplicated entries and sentinels, in each engine's
+    spelling: every determined certificate equals the full-vocabulary solver's."""
+    rng = np.random.default_rng(seed)
+    rows = 24
+    scale = rng.choice([0.3, 1.0, 3.0, 8.0], size=(rows, 1))
+    logits = rng.normal(size=(rows, vocab)) * scale
+    logits[: rows // 4, 1] = logits[: rows // 4, 0]  # exact ties at the top
+    logp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+    n = min(n, vocab)
+    positions = [_record(rng, fmt, logp[t], n, rng.random() < 0.5 and duplicates,
+                         rng.random() < 0.5 and sentinels) for t in range(rows)]  # fmt: skip
+    got, cols = _certify([_document(fmt, positions)], vocab)
+    logp = logp[got.index["position"]]  # a position whose only entry was dropped is missing
+    assert got.counts.missing_positions == rows - len(logp)
+    full = jaxcert.certificates(jnp.asarray(logp, jnp.float32), RULES)
+    determined_any = 0
+    for rule, cert in zip(RULES, full, strict=True):
+        det = cols[f"determined_{rule.spec}"]
+        determined_any += int(det.sum())
+        want = np.asarray(cert.value, np.float64)[det]
+        np.testing.assert_allclose(cols[f"cert_{rule.spec}"][det], want, rtol=1e-4, atol=1e-6,
+                                   err_msg=f"{fmt} {rule.spec}")  # fmt: skip
+    if n >= 3 and fmt in ("chat", "llamacpp-post", "sglang"):
+        assert determined_any > 0  # the true top 3 determine greedy and topk:2 everywhere
