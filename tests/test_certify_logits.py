@@ -282,3 +282,27 @@ def test_summary_percentiles_of_infinite_columns_are_infinite():
     table = pa.table({"c": [np.inf] * 19 + [0.5]})
     (row,) = certify_report.summarize_positions(table, ["c"])  # numpy alone gives p5 = nan
     assert row["p5"] == np.inf and row["median"] == np.inf and row["inf_share"] == 0.95
+
+
+def test_dense_dump_shapes_invalid_rows_and_stale_partials(tmp_path, capsys):
+    # A transposed [V, N] dump is refused when the vocabulary size is known.
+    np.save(tmp_path / "t.npy", np.zeros((151_936, 3), np.float16))
+    out = tmp_path / "o"
+    argv = ["certify-logits", str(tmp_path / "t.npy"), "--vocab-size", "151936", "--out", str(out)]
+    assert cli.main(argv) == 2
+    assert "looks transposed" in capsys.readouterr().err
+    assert not (out / "certificates.parquet").exists()
+    # A NaN row of a [2, 100, V] dump is named by (sequence, position), not flattened (150).
+    x = np.random.default_rng(0).normal(size=(2, 100, 8)).astype(np.float32)
+    x[1, 50, 3] = np.nan
+    safetensors.numpy.save_file({"logits": x}, tmp_path / "x.safetensors")
+    # An earlier failed run left certificates.partial.parquet: a successful run removes it.
+    out.mkdir(exist_ok=True)
+    (out / "certificates.partial.parquet").write_bytes(b"stale")
+    assert cli.main(["certify-logits", str(tmp_path / "x.safetensors"), "--out", str(out)]) == 0
+    assert "(sequence 1, position 50)" in capsys.readouterr().err
+    assert not (out / "certificates.partial.parquet").exists()
+    table = pq.read_table(out / "certificates.parquet")
+    assert table.num_rows == 200 and (~np.asarray(table["valid"])).sum() == 1
+    want = jaxcert.certificates(jnp.asarray(x[0, :50]), (R.StrictGreedy(),))[0].value
+    np.testing.assert_allclose(table["cert_greedy"].to_numpy()[:50], want, rtol=1e-6)
