@@ -5,13 +5,26 @@ from __future__ import annotations
 import math
 import pathlib
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 
 from jaxcert import bounds
 
-__all__ = ["rule_column", "summarize_positions", "run_lengths", "markdown_table", "plot_report"]
+if TYPE_CHECKING:  # matplotlib is imported by the plotting functions only
+    from matplotlib.figure import Figure
+
+__all__ = [
+    "rule_column",
+    "summarize_positions",
+    "run_lengths",
+    "markdown_table",
+    "cdf_range",
+    "cdf_figure",
+    "margin_figure",
+    "plot_report",
+]
 
 RUN_BUDGETS = (0.01, 0.05, 0.1, 0.3)
 
@@ -115,58 +128,161 @@ def markdown_table(rows: Sequence[dict], digits: int = 3) -> str:
     return "\n".join(lines)
 
 
-def plot_report(table: pa.Table, rule_columns: Sequence[str], out_dir: pathlib.Path) -> list:
-    """Writes ``certificate_cdf.png`` and ``certificate_vs_margin.png``; returns their paths."""
-    import matplotlib
+def _values(table: pa.Table, name: str) -> np.ndarray:
+    return np.asarray(table.column(name).to_numpy(zero_copy_only=False), np.float64)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    out_dir = pathlib.Path(out_dir)
-    margin = table.column("margin").to_numpy()
-    paths = []
+def _decade_below(x: float) -> float:
+    return float(10.0 ** math.floor(math.log10(x)))
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name in rule_columns:
-        v = np.sort(np.asarray(table.column(name).to_numpy(zero_copy_only=False), np.float64))
+
+def cdf_range(
+    values: Sequence[np.ndarray], *, quantile: float = 0.005
+) -> tuple[float, float, int] | None:
+    """A log x-range for certificate CDFs that one outlier does not stretch.
+
+    The left end is the ``quantile`` (default 0.5%) of the positive finite certificates of
+    all rules together, rounded down to a power of ten; the right end the largest of them,
+    rounded up to one. Outliers such as a single ``1e-11`` among certificates of ``1e-3``
+    and above are left of the range, and counted.
+
+    Args:
+      values: one ``[P]`` array of certificates (nats) per rule; ``nan`` is ignored.
+      quantile: the share of the positive finite certificates that may fall left.
+
+    Returns:
+      ``(low, high, left)``: the range and how many finite certificates (zeros included)
+      lie left of ``low``; ``None`` when no certificate is positive and finite.
+    """
+    pooled = np.concatenate([np.asarray(v, np.float64).ravel() for v in values])
+    finite = pooled[np.isfinite(pooled)]
+    positive = finite[finite > 0]
+    if not positive.size:
+        return None
+    low = _decade_below(float(np.quantile(positive, quantile)))
+    high = float(10.0 ** math.ceil(math.log10(float(positive.max()))))
+    return low, max(high, low * 10), int(np.sum(finite < low))
+
+
+def cdf_figure(table: pa.Table, rule_columns: Sequence[str]) -> Figure:
+    """The CDF of each rule's certificates on one log axis (``certificate_cdf.png``).
+
+    The x-range is :func:`cdf_range`'s; the x-axis label says how many certificates lie left
+    of it. ``+inf`` certificates (the rule cannot reject) are not drawn: each curve ends
+    below 1 by its share of them.
+
+    Args:
+      table: one row per position, with the ``rule_columns`` (certificates in nats).
+      rule_columns: the ``cert_<rule>`` columns to draw.
+
+    Returns:
+      A `matplotlib.figure.Figure` (no pyplot state), one axes.
+    """
+    from matplotlib.figure import Figure  # no pyplot: no backend or global figure state
+
+    fig = Figure(figsize=(7, 4.5))
+    ax = fig.add_subplot()
+    columns = {name: _values(table, name) for name in rule_columns}
+    for name, v in columns.items():
+        v = np.sort(v[~np.isnan(v)])
         ax.step(
             np.where(np.isinf(v), np.nan, v),
-            np.arange(1, v.size + 1) / v.size,
+            np.arange(1, v.size + 1) / max(v.size, 1),
             where="post",
             label=name.removeprefix("cert_"),
         )
     ax.set_xscale("log")
-    ax.set_xlabel("certificate C_p (nats, log scale; +inf not drawn)")
+    label = "certificate C_p (nats, log scale; +inf not drawn)"
+    span = cdf_range(list(columns.values()))
+    if span is not None:
+        low, high, left = span
+        ax.set_xlim(low, high)
+        finite = sum(int(np.isfinite(v).sum()) for v in columns.values())
+        label += f"\n{left} of {finite} finite certificates (all rules) lie left of {low:g}"
+    ax.set_xlabel(label)
     ax.set_ylabel("fraction of positions <= x")
     ax.set_title("CDF of exact certificates")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    paths.append(out_dir / "certificate_cdf.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    return fig
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name in rule_columns:
-        v = np.asarray(table.column(name).to_numpy(zero_copy_only=False), np.float64)
-        ax.scatter(margin, v, s=3, alpha=0.4, label=name.removeprefix("cert_"))
-    grid = np.geomspace(max(float(np.min(margin[margin > 0], initial=1e-6)), 1e-6), 1.0, 200)
-    ax.plot(
-        grid,
-        np.asarray(bounds.greedy_margin_bounds(grid, 2)[0]),
-        "k--",
-        lw=1,
-        label="greedy lower bound phi(gamma)",
-    )
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("target margin gamma = p(x0) - p(runner-up)")
-    ax.set_ylabel("certificate C_p (nats)")
-    ax.set_title("Certificate vs margin")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, markerscale=3)
+
+def margin_figure(table: pa.Table, rule_columns: Sequence[str]) -> Figure:
+    """Certificate against target margin, one panel per rule (``certificate_vs_margin.png``).
+
+    Small multiples with shared log axes, each with the greedy lower bound ``phi(gamma)``.
+    Ties (margin ``gamma = 0``, no place on a log axis) are drawn at the panel's left edge
+    with their own marker, and each panel's title counts them: ``"<rule>: <n> ties"``, and on
+    a second line ``"<k> not drawn (C = 0 or inf)"`` for the panel's points a log axis
+    cannot show (certificates ``<= 0`` or ``+inf``, ties or not). ``nan`` certificates
+    (undetermined) are left out.
+
+    Args:
+      table: one row per position, with ``margin`` and the ``rule_columns``.
+      rule_columns: the ``cert_<rule>`` columns, one panel each.
+
+    Returns:
+      A `matplotlib.figure.Figure` with one axes per rule, in order.
+    """
+    from matplotlib.figure import Figure
+
+    margin = _values(table, "margin")
+    positive = margin[margin > 0]
+    left = _decade_below(float(positive.min())) / 10 if positive.size else 1e-7
+    cols = min(4, max(len(rule_columns), 1))
+    rows = math.ceil(len(rule_columns) / cols)
+    fig = Figure(figsize=(3.4 * cols, 3.0 * rows + 0.6))
+    axes = fig.subplots(rows, cols, sharex=True, sharey=True, squeeze=False).ravel()
+    for ax in axes[len(rule_columns) :]:
+        ax.remove()
+    grid = np.geomspace(max(positive.min(initial=1.0), 1e-6), 1.0, 200)
+    bound = np.asarray(bounds.greedy_margin_bounds(grid, 2)[0])
+    for ax, name in zip(axes[: len(rule_columns)], rule_columns, strict=True):
+        v = _values(table, name)
+        known = ~np.isnan(v)
+        drawable = known & np.isfinite(v) & (v > 0)
+        ties = known & (margin == 0)
+        ax.scatter(margin[drawable & ~ties], v[drawable & ~ties], s=3, alpha=0.4)
+        ax.scatter(
+            np.full(int(np.sum(drawable & ties)), left),
+            v[drawable & ties],
+            s=12,
+            marker="<",
+            color="tab:red",
+            clip_on=False,
+            label="tie (margin 0)",
+        )
+        ax.plot(grid, bound, "k--", lw=1, label="greedy lower bound phi(gamma)")
+        hidden = int(np.sum(known & ~drawable))
+        title = f"{name.removeprefix('cert_')}: {int(ties.sum())} ties"
+        if hidden:
+            title += f"\n{hidden} not drawn (C = 0 or inf)"
+        ax.set_title(title, fontsize=9)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+    for i, ax in enumerate(axes[: len(rule_columns)]):
+        if i + cols >= len(rule_columns):  # nothing below it: its x tick labels show
+            ax.tick_params(labelbottom=True)
+    axes[0].set_xlim(left, 1.0)
+    axes[0].legend(fontsize=7, markerscale=2)
+    fig.supxlabel("target margin gamma = p(x0) - p(runner-up) (ties at the left edge)")
+    fig.supylabel("certificate C_p (nats)")
+    fig.suptitle("Certificate vs margin")
     fig.tight_layout()
-    paths.append(out_dir / "certificate_vs_margin.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    return fig
+
+
+def plot_report(table: pa.Table, rule_columns: Sequence[str], out_dir: pathlib.Path) -> list:
+    """Writes ``certificate_cdf.png`` (:func:`cdf_figure`) and ``certificate_vs_margin.png``
+    (:func:`margin_figure`) to ``out_dir``; returns their paths."""
+    out_dir = pathlib.Path(out_dir)
+    paths = []
+    for figure, name in (
+        (cdf_figure, "certificate_cdf.png"),
+        (margin_figure, "certificate_vs_margin.png"),
+    ):
+        paths.append(out_dir / name)
+        figure(table, rule_columns).savefig(paths[-1], dpi=120)
     return paths

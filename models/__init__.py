@@ -36,7 +36,13 @@ data parallel over ``"data"``; ``Auto`` axes)::
   # or: model = models.shard(model, mesh) for a model already in memory
 """
 
-from jaxcert.models._load import check_context_length, check_same_vocabulary, config_of, load
+from jaxcert.models._load import (
+    check_context_length,
+    check_same_vocabulary,
+    config_of,
+    load,
+    read_config,
+)
 from jaxcert.models._weights import LoadedModel
 from jaxcert.models.cache import KVCache
 from jaxcert.models.config import ModelConfig
@@ -60,6 +66,7 @@ __all__ = [
     "load",
     "load_gguf",
     "load_hf",
+    "read_config",
     "shard",
     "truncate",
 ]

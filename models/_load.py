@@ -1,4 +1,4 @@
-"""`load`: one entry point for checkpoint folders, GGUF files and asset names."""
+"""`load` and `read_config`: one entry point for checkpoint folders, GGUF files and asset names."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from jax.sharding import Mesh
 
 from jaxcert import assets
 from jaxcert.models._weights import LoadedModel
-from jaxcert.models.gguf import load_gguf
-from jaxcert.models.hf import load_hf
+from jaxcert.models.config import ModelConfig
+from jaxcert.models.gguf import gguf_config, load_gguf
+from jaxcert.models.hf import hf_config, load_hf
 from jaxcert.models.sharding import LOGICAL_RULES, check_mesh
 
 
@@ -43,14 +44,46 @@ def load(
         message lists the model names. Also an ``Explicit`` mesh (see `load_hf` /
         `load_gguf` for errors of a found checkpoint).
     """
-    path = pathlib.Path(name_or_path).expanduser()
     kw = dict(dtype=dtype, mesh=mesh, rules=rules)
     if mesh is not None:
         check_mesh(mesh)  # before any download
+    kind, path = _resolve(name_or_path)
+    return load_hf(path, **kw) if kind == "hf" else load_gguf(path, **kw)
+
+
+def read_config(name_or_path: str | os.PathLike) -> ModelConfig:
+    """The `ModelConfig` of what `load` would load, without reading or dequantising weights.
+
+    From a folder's `config.json`, or a GGUF file's header (its metadata and tensor names; a
+    cheap read even of a 151,936-token vocabulary), so that settings such as the vocabulary
+    size are checked before a long load. An asset name is fetched (downloaded on first use),
+    as `load` would.
+
+    Args:
+      name_or_path: as for `load`.
+
+    Returns:
+      The `ModelConfig` (equal to the loaded model's config).
+
+    Raises:
+      ValueError: as `load` for names and paths; an unreadable or unsupported config.
+    """
+    kind, path = _resolve(name_or_path)
+    return hf_config(path) if kind == "hf" else gguf_config(path)
+
+
+def _resolve(name_or_path: str | os.PathLike) -> tuple[str, pathlib.Path]:
+    """``("hf" | "gguf", path)`` of a folder, a `.gguf` file or a model asset (fetched).
+
+    Raises:
+      ValueError: as `load` (not a folder or `.gguf` file and no model asset, a prompt set's
+        name, or a failed download).
+    """
+    path = pathlib.Path(name_or_path).expanduser()
     if path.is_dir():
-        return load_hf(path, **kw)
+        return "hf", path
     if path.is_file() and path.suffix == ".gguf":
-        return load_gguf(path, **kw)
+        return "gguf", path
     name = str(name_or_path)
     models_ = ", ".join(assets.names("model"))
     asset = assets.ASSETS.get(name)
@@ -68,10 +101,9 @@ def load(
             "a model name"
         )
     try:
-        fetched = assets.fetch(name)
+        return "gguf", assets.fetch(name)
     except (assets.AssetError, OSError) as e:  # download failure
         raise ValueError(f"cannot load model {name!r}: {e}") from None
-    return load_gguf(fetched, **kw)
 
 
 def config_of(model):

@@ -7,12 +7,15 @@ the half-split (NeoX) layout. A separate `output.weight` makes the model untied.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import mmap
 import os
 import pathlib
 import re
 import secrets
+import struct
 import sys
 import warnings
 from collections.abc import Mapping
@@ -84,6 +87,149 @@ def read_gguf(path: str | os.PathLike) -> tuple[gguf.GGUFReader, dict[str, Any]]
         if t.data_offset + t.n_bytes > size:
             raise ValueError(f"{path}: truncated GGUF file (tensor {t.name!r} ends past the end).")
     return reader, metadata
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayHeader:
+    """An array value of a GGUF header whose elements were skipped (:func:`read_gguf_header`).
+
+    Attributes:
+      type: the elements' `gguf.GGUFValueType`.
+      count: the number of elements (also ``len()``).
+    """
+
+    type: gguf.GGUFValueType
+    count: int
+
+    def __len__(self) -> int:
+        return self.count
+
+
+_V = gguf.GGUFValueType
+_SCALAR_FORMATS = {
+    _V.UINT8: "<B",
+    _V.INT8: "<b",
+    _V.UINT16: "<H",
+    _V.INT16: "<h",
+    _V.UINT32: "<I",
+    _V.INT32: "<i",
+    _V.FLOAT32: "<f",
+    _V.BOOL: "<?",
+    _V.UINT64: "<Q",
+    _V.INT64: "<q",
+    _V.FLOAT64: "<d",
+}
+
+
+class _Header:
+    """A little-endian cursor over the bytes of a GGUF file."""
+
+    def __init__(self, buf):
+        self.buf, self.offset = buf, 0
+
+    def scalar(self, fmt: str):
+        (value,) = struct.unpack_from(fmt, self.buf, self.offset)
+        self.offset += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        size = self.scalar("<Q")
+        if self.offset + size > len(self.buf):
+            raise struct.error("string past the end of the file")
+        text = bytes(self.buf[self.offset : self.offset + size]).decode("utf-8", "replace")
+        self.offset += size
+        return text
+
+    def skip(self, kind: gguf.GGUFValueType, count: int) -> None:
+        """Skips ``count`` values of type ``kind`` (arrays of arrays included)."""
+        if kind in _SCALAR_FORMATS:
+            self.offset += count * struct.calcsize(_SCALAR_FORMATS[kind])
+        elif kind == _V.STRING:
+            for _ in range(count):
+                size = self.scalar("<Q")  # moves past the length
+                self.offset += size
+        elif kind == _V.ARRAY:
+            for _ in range(count):
+                inner = _V(self.scalar("<I"))
+                self.skip(inner, self.scalar("<Q"))
+        else:
+            raise ValueError(f"unknown GGUF value type {kind}")
+        if self.offset > len(self.buf):
+            raise struct.error("array past the end of the file")
+
+    def value(self, kind: gguf.GGUFValueType):
+        if kind in _SCALAR_FORMATS:
+            return self.scalar(_SCALAR_FORMATS[kind])
+        if kind == _V.STRING:
+            return self.string()
+        if kind == _V.ARRAY:
+            inner, count = _V(self.scalar("<I")), self.scalar("<Q")
+            self.skip(inner, count)
+            return ArrayHeader(inner, count)
+        raise ValueError(f"unknown GGUF value type {kind}")
+
+
+def read_gguf_header(path: str | os.PathLike) -> tuple[dict[str, Any], list[str]]:
+    """The metadata and tensor names of a GGUF file (version 2 or 3), from its header alone.
+
+    Much cheaper than :func:`read_gguf` (whose parse of a 151,936-token vocabulary takes
+    seconds): the elements of array values are skipped, not converted, and no tensor data
+    is touched. Enough for `ModelConfig.from_gguf` (the vocabulary size is the token
+    list's length when the file has no ``<arch>.vocab_size``).
+
+    Returns:
+      ``(metadata, tensor_names)``: scalars and strings as Python values, each array as an
+      :class:`ArrayHeader` (element type and length); the tensors' names in file order.
+
+    Raises:
+      ValueError: not a GGUF file, another version or byte order, or a truncated header
+        (the message names the file).
+    """
+    path = pathlib.Path(path)
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            header = _Header(buf)
+            if bytes(buf[:4]) != b"GGUF":
+                raise ValueError("no GGUF magic")
+            header.offset = 4
+            version = header.scalar("<I")
+            if version not in (2, 3):
+                raise ValueError(f"GGUF version {version} (this reader knows 2 and 3)")
+            tensors, fields = header.scalar("<Q"), header.scalar("<Q")
+            # The keys gguf.GGUFReader adds for the header itself, as `read_gguf` has them.
+            metadata = {"GGUF.version": version, "GGUF.tensor_count": tensors}
+            metadata["GGUF.kv_count"] = fields
+            for _ in range(fields):
+                key = header.string()
+                metadata[key] = header.value(_V(header.scalar("<I")))
+            names = []
+            for _ in range(tensors):
+                names.append(header.string())
+                dims = header.scalar("<I")
+                header.offset += 8 * dims + 4 + 8  # shape, tensor type, data offset
+            if header.offset > len(buf):
+                raise struct.error("tensor table past the end of the file")
+    except (ValueError, struct.error, OSError) as e:
+        raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e}).") from e
+    return metadata, names
+
+
+def gguf_config(path: str | os.PathLike) -> ModelConfig:
+    """The `ModelConfig` of a GGUF file, from its header: no weights are read or dequantised.
+
+    Raises:
+      ValueError: no such file, an unreadable file, or an unsupported architecture or setting
+        (see `ModelConfig.from_gguf`).
+    """
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: no such GGUF file.")
+    try:
+        metadata, names = read_gguf_header(path)
+    except ValueError:  # e.g. a byte order this reader does not know: gguf's full parse
+        reader, metadata = read_gguf(path)
+        names = [t.name for t in reader.tensors]
+    return ModelConfig.from_gguf(metadata, tensor_names=names)
 
 
 def dequant_cache_path(path: str | os.PathLike, dtype, cache_dir=None) -> pathlib.Path:

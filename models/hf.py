@@ -64,6 +64,27 @@ class SafetensorsFolder(Mapping):
         return len(self._where)
 
 
+def hf_config(path: str | os.PathLike) -> ModelConfig:
+    """The `ModelConfig` of a checkpoint folder, from its `config.json`: no weights are read.
+
+    Raises:
+      ValueError: not a folder, no or an unreadable `config.json`, or an unsupported config
+        (see `ModelConfig.from_hf`).
+    """
+    import transformers
+
+    path = pathlib.Path(path)
+    if not path.is_dir():
+        raise ValueError(f"{path}: not a Hugging Face checkpoint folder.")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path}: no config.json (not a Hugging Face checkpoint folder).")
+    try:
+        config = transformers.AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path / 'config.json'}: cannot be read ({e}).") from e
+    return ModelConfig.from_hf(config)
+
+
 def load_hf(
     path: str | os.PathLike,
     *,
@@ -92,15 +113,7 @@ def load_hf(
     import transformers
 
     path = pathlib.Path(path)
-    if not path.is_dir():
-        raise ValueError(f"{path}: not a Hugging Face checkpoint folder.")
-    if not (path / "config.json").is_file():
-        raise ValueError(f"{path}: no config.json (not a Hugging Face checkpoint folder).")
-    try:
-        hf_config = transformers.AutoConfig.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path / 'config.json'}: cannot be read ({e}).") from e
-    config = ModelConfig.from_hf(hf_config)
+    config = hf_config(path)
     tokenizer_files = ("tokenizer.json", "vocab.json", "tokenizer.model")
     if not any((path / name).is_file() for name in tokenizer_files):
         raise ValueError(f"{path}: no tokenizer files ({', '.join(tokenizer_files)}).")

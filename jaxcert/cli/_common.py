@@ -9,6 +9,7 @@ from jaxcert._validate import parsed_by
 
 __all__ = [
     "add_prompt_arguments",
+    "check_vocabularies",
     "load_model",
     "load_prompt_set",
     "policy_arg",
@@ -54,6 +55,31 @@ def load_model(option: str, name_or_path, **kwargs):
         raise ValueError(f"{option}: {err}") from None
 
 
+def check_vocabularies(target, drafter) -> None:
+    """Refuses a target and a drafter of different vocabulary sizes, from their configs alone.
+
+    Reads each model's `config.json` or GGUF header (`models.read_config`), so a mismatch is
+    refused before any weights are read or dequantised; the tokenizers are compared once
+    the models are loaded (`models.check_same_vocabulary` on them).
+
+    Args:
+      target, drafter: what ``--target`` and ``--drafter`` name (asset, folder or ``.gguf``).
+
+    Raises:
+      ValueError: the vocabulary sizes differ, or a model cannot be found or its config read
+        (prefixed with the option that named it).
+    """
+    from jaxcert import models
+
+    configs = []
+    for option, name_or_path in (("--target", target), ("--drafter", drafter)):
+        try:
+            configs.append(models.read_config(name_or_path))
+        except ValueError as err:
+            raise ValueError(f"{option}: {err}") from None
+    models.check_same_vocabulary(*configs)
+
+
 def load_prompt_set(source: str, **kwargs):
     """``prompts.load_prompts``, its errors prefixed with ``--prompts``."""
     from jaxcert import prompts
@@ -70,8 +96,18 @@ def add_prompt_arguments(p: argparse.ArgumentParser) -> None:
         "--prompts",
         default="mtbench",
         help="'mtbench', 'sharegpt' (first human turns; cut with --max-prompts), a JSONL "
-        "file with a 'prompt' or 'turns' field, or a ShareGPT-format .json file",
+        "file with a 'prompt' or 'turns' field, or a ShareGPT-format .json file "
+        "(default %(default)s)",
     )
-    p.add_argument("--turn", type=non_negative, default=0, help="turn of multi-turn records")
+    p.add_argument(
+        "--turn",
+        type=non_negative,
+        default=0,
+        help="turn of multi-turn records, from 0 (default %(default)s)",
+    )
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
-    p.add_argument("--system-prompt", default=None, help="explicit system message")
+    p.add_argument(
+        "--system-prompt",
+        default=None,
+        help="explicit system message (default: none, the chat template's own)",
+    )

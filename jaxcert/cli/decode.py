@@ -16,13 +16,14 @@ from jaxcert._argtypes import non_negative_float, positive, unit_float
 from jaxcert.cli import DEFAULT_DECODE_TARGET, DEFAULT_DRAFTER
 from jaxcert.cli._common import (
     add_prompt_arguments,
+    check_vocabularies,
     load_model,
     load_prompt_set,
     policy_arg,
     verify_arg,
 )
 
-__all__ = ["add_parser", "run"]
+__all__ = ["DecodeProgress", "add_parser", "run"]
 
 
 def add_parser(sub) -> None:
@@ -32,7 +33,8 @@ def add_parser(sub) -> None:
         description="Decode each prompt with the target alone and with speculative decoding "
         "(drafter + policy + verification rule), in the same run, and report throughput, "
         "speedup, acceptance and, per drafted position, KL(p||q) and the certificate C_p. "
-        "Writes rounds.parquet, nodes.parquet, outputs.jsonl and summary.json to --out. "
+        "Writes rounds.parquet, nodes.parquet, outputs.jsonl and summary.json to --out "
+        "(a previous run there is refused without --overwrite). "
         "With --mesh data=D,model=M each batch's rows are split over the D data devices "
         "(a batch is padded to a multiple of D with rows that are dropped) and the weights "
         "of both models over the M model devices; greedy outputs are identical to a "
@@ -41,12 +43,12 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--target",
         default=DEFAULT_DECODE_TARGET,
-        help=f"asset name, checkpoint folder or .gguf (default: {DEFAULT_DECODE_TARGET})",
+        help="asset name, checkpoint folder or .gguf (default %(default)s)",
     )
     p.add_argument(
         "--drafter",
         default=DEFAULT_DRAFTER,
-        help=f"the same for the drafter (default: {DEFAULT_DRAFTER})",
+        help="the same for the drafter, with the target's vocabulary (default %(default)s)",
     )
     add_prompt_arguments(p)
     p.add_argument(
@@ -55,14 +57,15 @@ def add_parser(sub) -> None:
         default="svip:0.3",
         help="draft-length policy: constant:K | heuristic | confidence[:TAU] | "
         "svip[:H] | cert[:LAMBDA[:BETA]], optional /KMAX "
-        "(default svip:0.3)",
+        "(default %(default)s)",
     )
     p.add_argument(
         "--verify",
         type=verify_arg,
         default="greedy",
         help="[SHAPE+]RULE: greedy | additive:T | multiplicative:A | topk:K | typical "
-        "| sample, SHAPE = tree:MxD | dyntree:MxDxN (default greedy)",
+        "| sample, SHAPE = tree:MxD | dyntree:MxDxN, e.g. tree:2x4+greedy "
+        "(default %(default)s)",
     )
     p.add_argument(
         "--temperature",
@@ -70,17 +73,34 @@ def add_parser(sub) -> None:
         default=0.0,
         help="0 for greedy/relaxed rules; > 0 with 'sample' (default 0)",
     )
-    p.add_argument("--top-p", type=unit_float, default=1.0, help="nucleus for sampling")
-    p.add_argument("--max-new-tokens", type=positive, default=128, help="per prompt")
+    p.add_argument(
+        "--top-p",
+        type=unit_float,
+        default=1.0,
+        help="nucleus for sampling; 1 keeps every token (default %(default)s)",
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=positive,
+        default=128,
+        help="new tokens per prompt (default %(default)s)",
+    )
     p.add_argument(
         "--max-draft",
         type=positive,
         default=None,
         help="deepest chain (default: the policy's cap, 40 if dynamic)",
     )
-    p.add_argument("--batch-size", type=positive, default=1, help="prompts decoded together")
-    p.add_argument("--max-prompts", type=positive, default=4, help="first N prompts (default 4)")
-    p.add_argument("--seed", type=int, default=0, help="PRNG seed (sampling)")
+    p.add_argument(
+        "--batch-size",
+        type=positive,
+        default=1,
+        help="prompts decoded together (default %(default)s)",
+    )
+    p.add_argument(
+        "--max-prompts", type=positive, default=4, help="first N prompts (default %(default)s)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default %(default)s)")
     p.add_argument("--no-baseline", action="store_true", help="skip the target-only run")
     p.add_argument(
         "--no-certificates",
@@ -91,15 +111,73 @@ def add_parser(sub) -> None:
         "--out",
         type=pathlib.Path,
         default=pathlib.Path("jaxcert-out/decode"),
-        help="output folder (default jaxcert-out/decode)",
+        help="output folder (default %(default)s)",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the decode run already in --out (its summary.json, rounds.parquet, "
+        "nodes.parquet and outputs.jsonl; other files stay); without it, it is refused",
     )
     mesh_lib.add_mesh_argument(p, "batch rows over data, both models' weights over model")
     p.set_defaults(func=run)
 
 
+class DecodeProgress:
+    """The decode progress bar: tokens of the run, with a rate and ETA of decoding alone.
+
+    While a program compiles (minutes for a large model) the bar says ``compiling <program>``
+    and shows no rate or ETA. The pause ends with the next tokens: the time since the
+    compile began (compile, prefill and the first decode call) leaves the bar's clock and
+    those tokens its count, so the rate (``tokens / seconds``, not smoothed) and the ETA are
+    those of decoding.
+
+    Args:
+      total: tokens of the whole run (every batch, both runs).
+      file: the stream the bar writes to (default ``sys.stderr``).
+    """
+
+    COMPILING = "{l_bar}{bar}| {n_fmt}/{total_fmt}"  # l_bar: "<desc>: <percent>|"
+    DECODING = COMPILING + " [{elapsed}<{remaining}, {rate_fmt}]"
+
+    def __init__(self, total: int, *, file=None):
+        from tqdm import tqdm
+
+        self.bar = tqdm(
+            total=total,
+            unit="tok",
+            desc="decode",
+            file=sys.stderr if file is None else file,
+            dynamic_ncols=True,
+            smoothing=0,  # the mean rate over the bar's clock, which skips compiling
+            bar_format=self.DECODING,
+        )
+        self._paused_at: float | None = None
+
+    def compiling(self, name: str) -> None:
+        """Shows ``compiling <name>`` without rate or ETA, and pauses the bar's clock."""
+        if self._paused_at is None:
+            self._paused_at = time.time()  # tqdm's clock
+        self.bar.set_description(f"compiling {name}", refresh=False)
+        self.bar.bar_format = self.COMPILING
+        self.bar.refresh()
+
+    def advance(self, position: int) -> None:
+        """Moves the bar to ``position`` tokens; ends a compile pause."""
+        if self._paused_at is not None:
+            self.bar.start_t += time.time() - self._paused_at
+            self.bar.initial += position - self.bar.n  # tokens not in the rate
+            self._paused_at = None
+            self.bar.set_description("decode", refresh=False)
+            self.bar.bar_format = self.DECODING
+        self.bar.update(position - self.bar.n)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
 def run(args) -> int:
     import jax
-    from tqdm import tqdm
 
     import jaxcert
     from jaxcert import decoding, prompts
@@ -116,9 +194,11 @@ def run(args) -> int:
         top_p=args.top_p,
         collect_stats=not args.no_certificates,
     )  # validates temperature against the rule before anything is loaded
+    out = args.out
+    replace = run_report.check_output(out, overwrite=args.overwrite)  # before any loading
     device_mesh = mesh_lib.make_mesh(args.mesh)
     mesh = device_mesh if device_mesh.size > 1 else None  # one device: no placement at all
-    out = args.out
+    check_vocabularies(args.target, args.drafter)  # from the configs: no weights read yet
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     cache_dir = jaxcert.enable_compilation_cache()  # a rerun on this machine compiles nothing
@@ -147,19 +227,14 @@ def run(args) -> int:
     )
     key = jax.random.key(args.seed)
     total = len(encoded) * args.max_new_tokens * (1 if args.no_baseline else 2)
-    bar = tqdm(total=total, unit="tok", desc="decode", file=sys.stderr, dynamic_ncols=True)
+    progress = DecodeProgress(total)
     compiled_before = decoding.compilations()
-
-    def compiling(name):  # the bar says so while XLA compiles (minutes for a large model)
-        bar.set_description(f"compiling {name}")
-
     runs = {"target": [], "speculative": []}
     ids = [p.id for p in prompt_set]
     for start in range(0, len(encoded), args.batch_size):
         batch = encoded[start : start + args.batch_size]
         key, k1, k2 = jax.random.split(key, 3)
-        done = bar.n
-        tick = lambda n, done=done: bar.update(done + n - bar.n)  # noqa: E731
+        done = progress.bar.n
         if not args.no_baseline:
             runs["target"].append(
                 decoding.target_decode(
@@ -171,13 +246,12 @@ def run(args) -> int:
                     eos_ids=config.eos_ids,
                     key=k1,
                     prompt_width=width,
-                    progress=tick,
-                    on_compile=compiling,
+                    progress=lambda n, done=done: progress.advance(done + n),
+                    on_compile=progress.compiling,
                 )
             )
-            bar.set_description("decode")
-            done = bar.n = done + len(batch) * args.max_new_tokens
-            tick = lambda n, done=done: bar.update(done + n - bar.n)  # noqa: E731
+            done += len(batch) * args.max_new_tokens  # rows that ended early count in full
+            progress.advance(done)
         runs["speculative"].append(
             decoding.speculative_decode(
                 target,
@@ -187,15 +261,15 @@ def run(args) -> int:
                 config=config,
                 key=k2,
                 prompt_width=width,
-                progress=tick,
-                on_compile=compiling,
+                progress=lambda n, done=done: progress.advance(done + n),
+                on_compile=progress.compiling,
             )
         )
-        bar.set_description("decode")
-        bar.n = done + len(batch) * args.max_new_tokens
-        bar.refresh()
-    bar.close()
+        progress.advance(done + len(batch) * args.max_new_tokens)
+    progress.close()
     summary = run_report.summarize_runs(runs)
+    if replace:  # the previous run's files go only now that this one is ready
+        run_report.remove_outputs(out)
     run_report.write_tables(out, runs["speculative"], ids, args.batch_size)
     run_report.write_outputs(out / "outputs.jsonl", runs, ids, target.tokenizer.decode)
     meta = {
@@ -219,7 +293,7 @@ def run(args) -> int:
         "total_s": round(time.perf_counter() - started, 1),
     }
     (out / "summary.json").write_text(json.dumps(meta | summary, indent=2, default=str))
-    print(run_report.markdown_summary(summary))
+    print(run_report.markdown_summary(meta | summary))  # with the compile time
     print(
         f"[jaxcert] wrote {out}/rounds.parquet, nodes.parquet, outputs.jsonl, summary.json",
         file=sys.stderr,

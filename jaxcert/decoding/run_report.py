@@ -2,7 +2,8 @@
 
 The ``jaxcert decode`` report: :func:`summarize_runs` merges the batches of a run and
 summarizes them, :func:`markdown_summary` renders that summary, :func:`write_tables` and
-:func:`write_outputs` write ``rounds.parquet``, ``nodes.parquet`` and ``outputs.jsonl``.
+:func:`write_outputs` write ``rounds.parquet``, ``nodes.parquet`` and ``outputs.jsonl``;
+:func:`check_output` and :func:`remove_outputs` guard the output folder (``--overwrite``).
 
 Shapes are ``jaxcert.decoding``'s: ``R`` rounds, ``B`` batch rows, ``N`` drafted nodes.
 """
@@ -10,6 +11,8 @@ Shapes are ``jaxcert.decoding``'s: ``R`` rounds, ``B`` batch rows, ``N`` drafted
 from __future__ import annotations
 
 import json
+import math
+import os
 import pathlib
 from collections.abc import Callable, Mapping, Sequence
 
@@ -21,6 +24,9 @@ import pyarrow.parquet as pq
 from jaxcert.decoding.state import RoundStats
 
 __all__ = [
+    "OUTPUT_FILES",
+    "check_output",
+    "remove_outputs",
     "round_table",
     "node_table",
     "summarize_run",
@@ -32,6 +38,51 @@ __all__ = [
     "write_tables",
     "write_outputs",
 ]
+
+
+#: The files a decode run writes into its output folder (what ``--overwrite`` replaces).
+OUTPUT_FILES = ("summary.json", "rounds.parquet", "nodes.parquet", "outputs.jsonl")
+
+
+def check_output(out: str | os.PathLike, *, overwrite: bool) -> bool:
+    """Checks that the folder ``out`` may receive a decode run, before anything is loaded.
+
+    Args:
+      out: the output folder (it need not exist).
+      overwrite: a previous run in ``out`` may be replaced (``--overwrite``).
+
+    Returns:
+      Whether ``out`` already holds a run (any of :data:`OUTPUT_FILES`); with
+      ``overwrite``, call :func:`remove_outputs` before writing the new one.
+
+    Raises:
+      ValueError: ``out`` is a file; the nearest existing folder of ``out`` is not writable;
+        one of :data:`OUTPUT_FILES` is a folder; ``out`` holds a run and not ``overwrite``.
+    """
+    out = pathlib.Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file, not a folder")
+    parent = out.absolute()
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out}: {parent} is not a writable folder")
+    held = [name for name in OUTPUT_FILES if (out / name).exists()]
+    for name in held:
+        if (out / name).is_dir():
+            raise ValueError(f"{out / name} is a folder, not a decode output; move it away")
+    if held and not overwrite:
+        raise ValueError(
+            f"{out} already holds a decode run ({', '.join(held)}); pass --overwrite to "
+            "replace it (or choose another --out)"
+        )
+    return bool(held)
+
+
+def remove_outputs(out: str | os.PathLike) -> None:
+    """Removes a previous run's :data:`OUTPUT_FILES` from ``out``; other files stay."""
+    for name in OUTPUT_FILES:
+        (pathlib.Path(out) / name).unlink(missing_ok=True)
 
 
 def round_table(stats: RoundStats, prompt_ids: Sequence[str], *, start_round: int = 0) -> pa.Table:
@@ -245,8 +296,23 @@ def summarize_runs(runs: Mapping[str, Sequence]) -> dict:
     return out
 
 
+def _rate(x) -> str:
+    """An acceptance rate with 3 decimals; ``n/a`` for a depth no round tested."""
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3f}"
+
+
 def markdown_summary(summary: dict) -> str:
-    """A markdown table of a :func:`summarize_runs` summary, then acceptance by position."""
+    """A markdown table of a :func:`summarize_runs` summary, then acceptance by position.
+
+    Args:
+      summary: a :func:`summarize_runs` summary; with ``compile_s`` (seconds) and
+        ``programs_compiled`` at its top level (``jaxcert decode``'s ``summary.json``),
+        a line gives the compile time too.
+
+    Returns:
+      The table, then one line each: acceptance by position (``n/a`` where no round tested
+      that depth), compile time and programs, identical outputs, the speedup's interval.
+    """
     s = summary["speculative"]
     lines = [
         "| run | tokens | tokens/s | speedup | accepted/round | tokens/round | "
@@ -264,7 +330,17 @@ def markdown_summary(summary: dict) -> str:
     )
     text = "\n".join(lines)
     if "acceptance_by_depth" in s:
-        text += f"\n\nacceptance by position: {s['acceptance_by_depth']}"
+        rates = s["acceptance_by_depth"]
+        text += (
+            f"\n\nacceptance by position (depth 1-{len(rates)}; n/a = never tested): "
+            + " ".join(_rate(x) for x in rates)
+        )
+    if "programs_compiled" in summary:
+        n = summary["programs_compiled"]
+        text += (
+            f"\ncompiled {n} program{'' if n == 1 else 's'} in {summary['compile_s']:.1f} s "
+            "(excluded from tokens/s)"
+        )
     if "identical_outputs" in summary:
         text += f"\noutputs identical to target-only: {summary['identical_outputs']}"
     if summary.get("speedup_ci95"):

@@ -71,24 +71,47 @@ class Verification:
         return rule if isinstance(self.tree, Chain) else f"{self.tree.spec}+{rule}"
 
 
+# What `parse_verify` accepts, for its errors (certify's grammar has tree *rules*, tree:M).
+_GRAMMAR = (
+    "[SHAPE+]RULE with RULE = greedy | additive:T | multiplicative:A | topk:K | "
+    "typical[:EPS:DELTA] | sample and SHAPE = tree:MxD | dyntree:MxDxN, e.g. tree:2x4+greedy"
+)
+
+
 def parse_verify(spec: str) -> Verification:
     """Parses ``[SHAPE+]RULE``: e.g. ``greedy``, ``additive:0.3``, ``sample``, ``tree:4x6``,
     ``tree:2x4+sample``, ``dyntree:4x6x24+typical``. A shape alone means greedy.
 
     Raises:
-      ValueError: unknown shape or rule.
+      ValueError: unknown shape or rule, or a tree rule (``tree:M``, certify's spelling) where
+        a single-token rule belongs; a misspelling's message gives this grammar. A bad
+        parameter value is named in the rule's own words.
     """
     text = spec.strip().lower()
     head, _, tail = text.partition("+")
     if head.split(":")[0] in ("chain", "tree", "dyntree"):
         tree, rule_text = parse_tree(head), tail or "greedy"
+    elif tail:
+        raise ValueError(f"verify {spec!r}: only a tree shape goes before '+'; expected {_GRAMMAR}")
     else:
         tree, rule_text = Chain(), text
     if rule_text == "sample":
         return Verification(tree=tree, rule=None)
-    rule = rules_lib.parse_rule(rule_text)
+    try:
+        rule = rules_lib.parse_rule(rule_text)
+    except ValueError as err:
+        message = str(err)
+        if "tree:M" not in message:  # a bad value, e.g. additive:2: the rule's own words
+            raise
+        # A misspelt rule: the rules' message offers certify's grammar; give this one.
+        raise ValueError(
+            f"verify {spec!r}: {message.partition('; expected')[0]}; expected {_GRAMMAR}"
+        ) from None
     if isinstance(rule, rules_lib.TreeCoverage):
-        raise ValueError(f"verify {spec!r}: give a tree as tree:MxD[+rule], not {rule.spec}")
+        raise ValueError(
+            f"verify {spec!r}: {rule.spec} is a tree rule (certify's spelling); here a tree "
+            f"is a shape before '+'; expected {_GRAMMAR}"
+        )
     return Verification(tree=tree, rule=rule)
 
 

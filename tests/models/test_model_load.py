@@ -41,6 +41,7 @@ def test_public_surface():
             "load",
             "load_gguf",
             "load_hf",
+            "read_config",
             "shard",
             "truncate",
         ]
@@ -154,3 +155,61 @@ def test_load_dispatch(np_case, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="'mtbench' is a prompt set, not a model"):
         load("mtbench")
     assert fetched == ["tiny-asset"]  # names that are no model asset are not fetched
+
+
+def _no_weights(monkeypatch):
+    """Makes reading, dequantising or building any weights (or a full GGUF parse) an error."""
+    from jaxcert.models import gguf as gguf_loader
+    from jaxcert.models import hf as hf_loader
+
+    def boom(*args, **kwargs):
+        raise AssertionError("weights were read")
+
+    for module, name in (
+        (gguf_loader, "write_dequantized"),
+        (gguf_loader, "_dequantize"),
+        (gguf_loader, "model_from_tensors"),
+        (gguf_loader, "read_gguf"),
+        (hf_loader, "model_from_tensors"),
+        (hf_loader, "SafetensorsFolder"),
+    ):
+        monkeypatch.setattr(module, name, boom)
+
+
+def test_read_config_reads_no_weights(np_case, tmp_path, monkeypatch):
+    path, lm, tensors = np_case("qwen2")
+    gguf_file = tiny_models.write_gguf(tmp_path / "tiny.gguf", lm.config, tensors)
+    monkeypatch.setenv("JAXCERT_CACHE", str(tmp_path / "cache"))
+    loaded = load(gguf_file).config  # writes the dequantised cache
+    monkeypatch.setenv("JAXCERT_CACHE", str(tmp_path / "empty-cache"))
+    with monkeypatch.context() as m:
+        _no_weights(m)
+        assert models.read_config(path) == lm.config
+        assert models.read_config(gguf_file) == loaded  # from the GGUF header alone
+        assert models.read_config(gguf_file).vocab_size == lm.config.vocab_size == 96
+    assert not (tmp_path / "empty-cache").exists()
+    monkeypatch.setenv("JAXCERT_CACHE", str(tmp_path / "cache"))
+    with monkeypatch.context() as m:
+        _no_weights(m)
+        assert models.read_config(gguf_file) == loaded  # with a dequantised cache too
+    with pytest.raises(ValueError, match="'mtbench' is a prompt set, not a model"):
+        models.read_config("mtbench")
+    with pytest.raises(ValueError, match="cannot load 'no-such-model': no folder or .gguf file"):
+        models.read_config("no-such-model")
+
+
+def test_read_gguf_header_skips_array_elements(np_case, tmp_path):
+    from jaxcert.models import gguf as gguf_loader
+
+    _, lm, tensors = np_case("qwen2")
+    gguf_file = tiny_models.write_gguf(tmp_path / "tiny.gguf", lm.config, tensors)
+    metadata, names = gguf_loader.read_gguf_header(gguf_file)
+    full, reference = gguf_loader.read_gguf(gguf_file)
+    assert names == [t.name for t in full.tensors]
+    tokens = metadata["tokenizer.ggml.tokens"]
+    assert len(tokens) == len(reference["tokenizer.ggml.tokens"]) == lm.config.vocab_size == 96
+    scalars = {k: v for k, v in reference.items() if not isinstance(v, list)}
+    assert {k: metadata[k] for k in scalars} == scalars
+    with pytest.raises(ValueError, match="not a readable GGUF file"):
+        (tmp_path / "bad.gguf").write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 9)
+        gguf_loader.read_gguf_header(tmp_path / "bad.gguf")
