@@ -230,8 +230,8 @@ class Certifier:
         split over ``data`` (the batch size rounded up to a multiple of its size), the
         weights over ``model`` (``jaxcert.models.shard``; tensor parallelism). ``None``:
         JAX's default device.
-      part: ``(index, count)``: certify only share ``index`` of ``count`` (the prompts,
-        sorted by length, dealt round-robin), with the shapes of the whole run.
+      part: ``(index, count)``: certify only share ``index`` of ``count`` (the prompts not
+        in ``skip``, sorted by length, dealt round-robin), with the shapes of the whole run.
       skip: prompt indices not to certify (already done: ``--resume``). The shapes are
         still those of the whole prompt set, so the other rows are unchanged.
       progress: called with a :class:`Progress` after every prefill and decoding chunk.
@@ -277,7 +277,11 @@ class Certifier:
         models.check_context_length({"target": lm}, prompt_tokens=longest, new_tokens=options.steps)
         # Room for the padded last prefill piece and the slot's idle writes after its end.
         self.cache_length = round_up(longest, min(options.prefill_widths)) + options.steps + 1
-        order = keep
+        self.usable = frozenset(keep)
+        # What is left (a resumed run skips what is done), then this part's share of it: a
+        # resumed run spreads the rest over its processes, whatever their number before.
+        skip = set(skip)
+        order = [i for i in keep if i not in skip]
         if part is not None:
             index, count = part
             check_int("part count", count)
@@ -287,10 +291,9 @@ class Certifier:
                 raise ValueError(
                     f"{count} processes for {len(keep)} prompts: each process needs a prompt"
                 )
-            order = sorted(keep, key=lambda i: (len(self.encoded[i]), i))[index::count]
+            order = sorted(order, key=lambda i: (len(self.encoded[i]), i))[index::count]
             order.sort()
-        skip = set(skip)
-        self.order = [i for i in order if i not in skip]
+        self.order = order
         self.info = {
             "prompts_given": len(prompts),
             "prompts_used": len(keep),

@@ -8,8 +8,8 @@ Layout of an output folder::
       part-00001.parquet
       .part-00002.parquet.tmp        a shard being written (hidden; ignored by readers)
 
-``pyarrow.parquet.read_table(out / "positions.parquet")``, ``pandas.read_parquet`` and
-:func:`read_positions` (sorted by prompt, then position) read the dataset.
+``pyarrow.parquet.read_table(out / "positions.parquet")`` (or ``pandas.read_parquet``, if
+installed) and :func:`read_positions` (sorted by prompt, then position) read the dataset.
 
 Guarantees:
 
@@ -125,8 +125,9 @@ def check_output(out: str | os.PathLike, *, resume: bool, overwrite: bool) -> bo
     Raises:
       OutputExists: ``out`` holds a run and neither ``resume`` nor ``overwrite`` is set.
       ValueError: both flags; ``out`` or its dataset is a file; the nearest existing folder
-        is not writable; ``resume`` without a manifest (the shards' settings could not be
-        checked).
+        is not writable; ``resume`` of shards without a manifest (their settings could not
+        be checked). ``resume`` where nothing was saved yet (a run interrupted before its
+        first shard) is no error: the run starts afresh (the return value is ``False``).
     """
     if resume and overwrite:
         raise ValueError("--resume and --overwrite exclude each other")
@@ -142,10 +143,10 @@ def check_output(out: str | os.PathLike, *, resume: bool, overwrite: bool) -> bo
     if dataset.exists() and not dataset.is_dir():
         raise ValueError(f"{dataset} is a file, not a certify dataset; move it away")
     held = manifest.exists() or dataset.exists()
-    if resume and not manifest.exists():
+    if resume and dataset.exists() and not manifest.exists():
         raise ValueError(
-            f"nothing to resume in {out}: no {MANIFEST} (without it the settings of the "
-            "shards cannot be checked); use --overwrite"
+            f"cannot resume {out}: its shards have no {MANIFEST} (without it their settings "
+            "cannot be checked); use --overwrite"
         )
     if held and not (resume or overwrite):
         raise OutputExists(
@@ -159,13 +160,14 @@ def read_positions(out: str | os.PathLike, columns: list[str] | None = None) -> 
     """The positions of a certify output folder, sorted by ``prompt_index`` then ``position``.
 
     Args:
-      out: the run's output folder (holding ``positions.parquet/``).
+      out: the run's output folder (holding ``positions.parquet/``), or that dataset folder.
       columns: read only these columns (``prompt_index`` and ``position`` are added).
 
     Raises:
       FileNotFoundError: no dataset in ``out``.
     """
-    dataset = pathlib.Path(out) / DATASET
+    out = pathlib.Path(out)
+    dataset = out if out.name == DATASET and out.is_dir() else out / DATASET
     if not dataset.exists():
         raise FileNotFoundError(f"no {DATASET} in {out}")
     if columns is not None:
@@ -214,7 +216,9 @@ class ShardWriter:
         # With overwrite, the previous run is removed only when this one writes its first
         # shard: a run that fails before that leaves the previous one intact.
         self._replace = held and overwrite
-        if resume:
+        #: the resumed run's manifest status (``complete``, ``failed``, ...), or ``None``.
+        self.resumed_status: str | None = None
+        if resume and held:
             self._load_for_resume()
 
     # -- set-up -----------------------------------------------------------------------------
@@ -248,6 +252,7 @@ class ShardWriter:
                 f"({', '.join(diff)} differ); rerun with the same options, or --overwrite"
             )
         self._created = True
+        self.resumed_status = str(manifest.get("status"))
         if not self.dataset.is_dir():
             return
         for leftover in self.dataset.glob(".*.tmp"):  # a shard cut short by a kill
@@ -292,8 +297,7 @@ class ShardWriter:
         if not self._created:  # the fingerprint is on disk before the first shard
             self._created = True
             self.write_manifest("running")
-        index = 1 + max((_shard_index(s["file"]) for s in self.shards), default=-1)
-        self._write_shard(table, f"part-{index:05d}.parquet")
+        self._write_shard(table, self._next_name())
         self._buffer, self._rows = [], 0
         self._last = time.monotonic()
         self.write_manifest("running")
@@ -314,10 +318,14 @@ class ShardWriter:
         self.out.mkdir(parents=True, exist_ok=True)
         _write_atomic(self.manifest_path, json.dumps(manifest, indent=1).encode())
 
-    def add_shard(self, table: pa.Table, name: str) -> None:
-        """Adds a shard made elsewhere (another process's part) as ``name``, atomically."""
+    def add_shard(self, table: pa.Table) -> None:
+        """Adds a shard made elsewhere (another process's part) as the next shard, atomically."""
         self._created = True
-        self._write_shard(table, name)
+        self._write_shard(table, self._next_name())
+
+    def _next_name(self) -> str:
+        index = 1 + max((_shard_index(s["file"]) for s in self.shards), default=-1)
+        return f"part-{index:05d}.parquet"
 
     def _write_shard(self, table: pa.Table, name: str) -> None:
         """``table`` as ``name`` in the dataset (hidden temporary file, fsync, rename)."""

@@ -43,6 +43,8 @@ __all__ = [
     "add_distributed_arguments",
     "add_mesh_argument",
     "announce_result",
+    "broadcast_bytes",
+    "fail_broadcast",
     "data_size",
     "describe",
     "exchange_bytes",
@@ -50,7 +52,6 @@ __all__ = [
     "make_mesh",
     "parse_mesh",
     "place",
-    "process_share",
     "shard_model",
 ]
 
@@ -196,10 +197,6 @@ class Distributed:
         """True on process 0, which merges the parts and writes the summaries."""
         return self.process_index == 0
 
-    def part_name(self, stem: str, suffix: str) -> str:
-        """``{stem}.part-00001-of-00004{suffix}``: this process's file of a shared output."""
-        return f"{stem}.part-{self.process_index:05d}-of-{self.process_count:05d}{suffix}"
-
 
 def _env_int(name: str) -> int | None:
     value = os.environ.get(name)
@@ -231,13 +228,17 @@ def initialize_distributed(
       num_processes: number of processes.
       process_id: this process's index.
       auto: initialise even with nothing given (cluster auto-detection).
-      timeout_s: how long to wait for every process to connect.
+      timeout_s: how long to wait for every process to join (``--join-timeout``). With an
+        explicit coordinator the processes first meet on its address (:func:`_rendezvous`),
+        so a process that never comes is a ``ValueError`` after ``timeout_s``; under
+        cluster auto-detection JAX's own wait applies (JAX aborts the process then).
 
     Returns:
       A :class:`Distributed` (``process_index``, ``process_count``).
 
     Raises:
-      ValueError: an incomplete or inconsistent set of values, or a failed connection.
+      ValueError: an incomplete or inconsistent set of values, a process that did not join
+        within ``timeout_s``, or a failed connection.
     """
     import jax
 
@@ -276,6 +277,10 @@ def initialize_distributed(
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
     except AttributeError:  # an option this JAX does not know
         pass
+    if coordinator is not None and num_processes is not None and process_id is not None:
+        # JAX aborts the process (absl fatal error) when a peer does not connect in time: meet
+        # first, where a missing peer is an error this process can report.
+        _rendezvous(coordinator, num_processes, process_id, timeout_s)
     try:
         jax.distributed.initialize(
             coordinator_address=coordinator,
@@ -291,9 +296,100 @@ def initialize_distributed(
     return Distributed(jax.process_index(), jax.process_count())
 
 
-def process_share(items: Sequence, dist: Distributed) -> list:
-    """This process's items: every ``process_count``-th one, from ``process_index``."""
-    return list(items[dist.process_index :: dist.process_count])
+_JOIN = b"jaxcert-join"
+
+
+def _rendezvous(coordinator: str, num_processes: int, process_id: int, timeout_s: float) -> None:
+    """Every process meets on the coordinator's ``HOST:PORT`` before JAX's service starts there.
+
+    Process 0 listens on ``PORT``; each other process connects (retrying until
+    ``timeout_s``) and sends its index; once all have come, process 0 answers each, the
+    others close their connection first, and process 0 closes its socket, so that JAX's
+    coordination service can bind the same port. Plain TCP, one line each way.
+
+    Raises:
+      ValueError: a process did not come within ``timeout_s`` (on process 0: which ones;
+        elsewhere: process 0 could not be reached), or a process index or count that
+        another process does not share.
+    """
+    import socket
+
+    host, port = coordinator.rsplit(":", 1)
+    host = host.strip("[]")
+    deadline = time.monotonic() + timeout_s
+    if process_id != 0:
+        while True:
+            try:
+                conn = socket.create_connection((host, int(port)), timeout=5)
+                break
+            except OSError as err:
+                if time.monotonic() > deadline:
+                    raise ValueError(
+                        f"process 0 could not be reached at {coordinator} within {timeout_s:g} s "
+                        f"(--join-timeout): {err}"
+                    ) from None
+                time.sleep(0.2)
+        with conn:
+            conn.settimeout(max(1.0, deadline - time.monotonic()))
+            conn.sendall(b"%s %d %d\n" % (_JOIN, process_id, num_processes))
+            try:
+                answer = conn.makefile("rb").readline().strip()
+            except OSError:
+                answer = b""
+        if answer != b"go":
+            raise ValueError(
+                f"process 0 at {coordinator} did not let process {process_id} join within "
+                f"{timeout_s:g} s (--join-timeout): "
+                f"{answer.decode(errors='replace') or 'no answer'}"
+            )
+        return
+    try:
+        server = socket.create_server(("", int(port)), family=socket.AF_INET6, dualstack_ipv6=True)
+    except (OSError, ValueError):
+        server = socket.create_server(("", int(port)))
+    joined: dict[int, socket.socket] = {}
+    try:
+        while len(joined) < num_processes - 1:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(range(1, num_processes)) - set(joined))
+                raise ValueError(
+                    f"processes {missing} of {num_processes} did not join within {timeout_s:g} s "
+                    f"(--join-timeout; process 0 listens on {coordinator})"
+                )
+            server.settimeout(min(left, 1.0))
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            conn.settimeout(5)
+            try:
+                words = conn.makefile("rb").readline().split()
+            except OSError:
+                conn.close()
+                continue
+            if len(words) != 3 or words[0] != _JOIN:
+                conn.close()  # not one of ours
+                continue
+            index, count = int(words[1]), int(words[2])
+            if count != num_processes or index in joined or not 0 < index < num_processes:
+                conn.sendall(b"refused: process %d of %d, process 0 expects %d processes\n"
+                             % (index, count, num_processes))  # fmt: skip
+                conn.close()
+                continue
+            joined[index] = conn
+        for conn in joined.values():
+            conn.sendall(b"go\n")
+        for conn in joined.values():  # they close first: the port is free for JAX's service
+            conn.settimeout(10)
+            try:
+                conn.recv(1)
+            except OSError:
+                pass
+    finally:
+        for conn in joined.values():
+            conn.close()
+        server.close()
 
 
 def add_mesh_argument(p, what: str, default: str = "every local device on data") -> None:
@@ -329,6 +425,13 @@ def add_distributed_arguments(p) -> None:
         help="this process's index, 0 to N-1 (or $JAX_PROCESS_ID)",
     )
     g.add_argument(
+        "--join-timeout",
+        type=positive,
+        default=300,
+        help="seconds to wait for every process to join before giving up with an error "
+        "(default 300)",
+    )
+    g.add_argument(
         "--distributed",
         action="store_true",
         help="call jax.distributed.initialize() and let JAX detect the rest (TPU pods, "
@@ -359,13 +462,14 @@ def exchange_bytes(
     *,
     error: str | None = None,
     timeout_s: float = 24 * 3600,
-) -> list[bytes] | None:
+) -> list[bytes | ProcessFailed] | None:
     """Sends this process's ``payload`` to process 0; process 0 gets every process's, in order.
 
     Goes through the key-value store of JAX's coordination service, so the processes need
-    no shared file system. A process that failed passes ``error`` instead of a payload:
-    process 0 then raises at once instead of waiting for it. The other processes then wait
-    for process 0's :func:`announce_result`, so every process ends with the run's outcome.
+    no shared file system. A process that failed passes ``error`` instead of a payload.
+    Process 0 receives each process's outcome, a failure included, so that it can keep
+    what the others sent; the other processes then wait for process 0's
+    :func:`announce_result`, so every process ends with the run's outcome.
 
     Args:
       name: a key unique to this exchange (the same on every process).
@@ -375,11 +479,13 @@ def exchange_bytes(
       timeout_s: how long a process waits for each answer it needs.
 
     Returns:
-      On process 0 the ``process_count`` payloads in process order; ``None`` elsewhere.
+      On process 0 the ``process_count`` outcomes in process order: the bytes, or a
+      :class:`ProcessFailed` for a process that failed or did not answer in time (its own,
+      first, is ``payload``); ``None`` elsewhere.
 
     Raises:
-      ProcessFailed: another process failed or did not answer in time (on process 0: any
-        process; elsewhere: process 0, as announced).
+      ProcessFailed: elsewhere than on process 0, when process 0 announces a failure or
+        does not answer in time.
     """
     if dist.process_count == 1:
         return None if error is not None else [payload or b""]
@@ -392,9 +498,12 @@ def exchange_bytes(
         return None
     if error is not None:
         return None
-    parts = [value]
+    parts: list[bytes | ProcessFailed] = [value]
     for i in range(1, dist.process_count):
-        parts.append(_check(_get(client, f"jaxcert/{name}/{i}", timeout_s, i, dist), i, dist))
+        try:
+            parts.append(_check(_get(client, f"jaxcert/{name}/{i}", timeout_s, i, dist), i, dist))
+        except ProcessFailed as failed:
+            parts.append(failed)
     return parts
 
 
@@ -403,6 +512,29 @@ def announce_result(name: str, dist: Distributed, error: str | None = None) -> N
     if dist.process_count > 1 and dist.is_main:
         value = b"ok" if error is None else _FAILED + error.encode()
         _client().key_value_set_bytes(f"jaxcert/{name}/result", value)
+
+
+def broadcast_bytes(
+    name: str, payload: bytes | None, dist: Distributed, *, timeout_s: float = 24 * 3600
+) -> bytes:
+    """Process 0's ``payload`` on every process (process 0 passes it, the others ``None``).
+
+    Raises:
+      ProcessFailed: process 0 sent a failure (:func:`fail_broadcast`) or nothing in time.
+    """
+    if dist.process_count == 1:
+        return payload or b""
+    client = _client()
+    if dist.is_main:
+        client.key_value_set_bytes(f"jaxcert/{name}/broadcast", payload or b"")
+        return payload or b""
+    return _check(_get(client, f"jaxcert/{name}/broadcast", timeout_s, 0, dist), 0, dist)
+
+
+def fail_broadcast(name: str, dist: Distributed, error: str) -> None:
+    """Process 0 failed before :func:`broadcast_bytes`: the others raise instead of waiting."""
+    if dist.process_count > 1 and dist.is_main:
+        _client().key_value_set_bytes(f"jaxcert/{name}/broadcast", _FAILED + error.encode())
 
 
 def _get(client, key: str, timeout_s: float, i: int, dist: Distributed) -> bytes:

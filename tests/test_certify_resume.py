@@ -74,7 +74,7 @@ _KILLER = """
 
 
 def test_kill_9_mid_write_then_resume_gives_the_uninterrupted_rows(
-    checkpoint, many_prompts, uninterrupted, tmp_path
+    checkpoint, many_prompts, uninterrupted, tmp_path, capsys
 ):
     out = tmp_path / "run"
     args = _args(checkpoint, many_prompts, out, "--shard-rows", "12")
@@ -98,11 +98,13 @@ def test_kill_9_mid_write_then_resume_gives_the_uninterrupted_rows(
     assert run["prompts_resumed"] == len(done)  # nothing finished was recomputed
     assert run["prompts_this_run"] == len(TEXTS) - len(done)
     assert json.loads((out / "manifest.json").read_text())["status"] == "complete"
-    # Resuming a complete run computes nothing and rewrites the same report.
-    summary = (out / "summary.md").read_text()
+    # Resuming a complete run says so, shows its summary, and computes and rewrites nothing.
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
     assert cli.main(args + ["--resume"]) == 0
-    assert json.loads((out / "run.json").read_text())["prompts_this_run"] == 0
-    assert (out / "summary.md").read_text() == summary
+    captured = capsys.readouterr()
+    assert "is already complete: nothing to resume" in captured.err
+    assert (out / "summary.md").read_text() in captured.out
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
 
 
 def test_a_failure_keeps_the_finished_shards_and_resume_completes(
@@ -147,8 +149,11 @@ def test_refusals_and_nothing_left_behind(
     # --resume with other options is refused, naming what differs.
     assert cli.main(_args(checkpoint, many_prompts, out, "--resume", "--steps", "3")) == 2
     assert "options.steps differ" in capsys.readouterr().err
-    assert cli.main(_args(checkpoint, many_prompts, tmp_path / "none", "--resume")) == 2
-    assert "nothing to resume" in capsys.readouterr().err
+    # --resume of a run interrupted before its first shard (nothing saved): it just starts.
+    none = tmp_path / "none"
+    assert cli.main(_args(checkpoint, many_prompts, none, "--resume")) == 0
+    assert f"nothing saved in {none} yet: starting the run" in capsys.readouterr().err
+    assert certify_store.read_positions(none).equals(certify_store.read_positions(uninterrupted))
     # A run that fails before its first result leaves nothing behind.
     fresh = tmp_path / "fresh"
     assert cli.main(_args(checkpoint, many_prompts, fresh, "--steps", "600")) == 2
@@ -174,7 +179,7 @@ def test_a_failed_overwrite_keeps_the_previous_run_and_bad_manifests_are_named(
     manifest = (out / "manifest.json").read_text()
     (out / "manifest.json").unlink()
     assert cli.main(_args(checkpoint, many_prompts, out, "--resume")) == 2
-    assert "no manifest.json" in capsys.readouterr().err
+    assert "its shards have no manifest.json" in capsys.readouterr().err
     for text in ("[]", '{"fingerprint": 5}', "{trunc"):
         (out / "manifest.json").write_text(text)
         assert cli.main(_args(checkpoint, many_prompts, out, "--resume")) == 2

@@ -96,14 +96,52 @@ def test_two_processes_write_the_one_process_table(checkpoint, prompt_file, tmp_
 
 
 @pytest.mark.slow
-def test_a_failing_process_stops_the_others(checkpoint, prompt_file, tmp_path):
-    """Process 1 cannot read its prompts: both processes exit with a clear error, no hang."""
-    argvs = _distributed(_args(checkpoint, prompt_file, tmp_path / "out"), 2)
+def test_a_failing_process_leaves_an_incomplete_run_that_resume_finishes(
+    checkpoint, prompt_file, tmp_path
+):
+    """Process 1 cannot read its prompts: both exit with a clear error, no hang; process 0's
+    manifest says incomplete (never complete) over its own share, and --resume, with one
+    process or with two, finishes the one-process table."""
+    import shutil
+
+    one = tmp_path / "one"
+    assert cli.main(_args(checkpoint, prompt_file, one)) == 0
+    out = tmp_path / "out"
+    argvs = _distributed(_args(checkpoint, prompt_file, out), 2)
     argvs[1][argvs[1].index("--prompts") + 1] = str(tmp_path / "missing.jsonl")
     results = _launch(argvs, tmp_path)
     assert [r.returncode for r in results] == [2, 2], [r.stderr[-3000:] for r in results]
     assert "process 1 of 2 failed: ValueError" in results[0].stderr
+    assert "run again with --resume" in results[0].stderr
     assert "--prompts: no prompt file" in results[1].stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["status"] == "incomplete" and "process 1 of 2 failed" in manifest["error"]
+    assert len(manifest["prompts_done"]) == 2  # process 0's share of the 4 prompts
+    assert not (out / "run.json").exists()
+    two = tmp_path / "two"
+    shutil.copytree(out, two)
+    # A plain rerun is still refused; one process resumes ...
+    assert cli.main(_args(checkpoint, prompt_file, out)) == 2
+    assert cli.main(_args(checkpoint, prompt_file, out) + ["--resume"]) == 0
+    assert read_positions(out).equals(read_positions(one))
+    assert json.loads((out / "manifest.json").read_text())["status"] == "complete"
+    # ... and so do two (the two prompts left are dealt over both).
+    results = _launch(_distributed(_args(checkpoint, prompt_file, two) + ["--resume"], 2),
+                      tmp_path)  # fmt: skip
+    assert [r.returncode for r in results] == [0, 0], [r.stderr[-3000:] for r in results]
+    assert "1 prompts sent to process 0" in results[1].stderr
+    assert read_positions(two).equals(read_positions(one))
+    assert json.loads((two / "run.json").read_text())["prompts_resumed"] == 2
+
+
+def test_a_process_that_never_joins_is_an_error_after_the_join_timeout(capsys):
+    port = _free_port()
+    argv = ["certify", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+            "--join-timeout", "2"]  # fmt: skip
+    assert cli.main([*argv, "--process-id", "0"]) == 2
+    assert "processes [1] of 2 did not join within 2 s (--join-timeout" in capsys.readouterr().err
+    assert cli.main([*argv, "--process-id", "1"]) == 2
+    assert "process 0 could not be reached at 127.0.0.1:" in capsys.readouterr().err
 
 
 def test_distributed_arguments_are_checked(monkeypatch, capsys):
@@ -125,6 +163,3 @@ def test_distributed_arguments_are_checked(monkeypatch, capsys):
         mesh_lib.initialize_distributed()
     assert cli.main(["certify", "--num-processes", "2", "--process-id", "0"]) == 2
     assert "a multi-process run needs --coordinator" in capsys.readouterr().err
-    dist = mesh_lib.Distributed(1, 4)
-    assert dist.part_name("positions", ".parquet") == "positions.part-00001-of-00004.parquet"
-    assert mesh_lib.process_share(list(range(10)), dist) == [1, 5, 9]

@@ -28,13 +28,16 @@ scaling out:
   too). The greedy tokens are the same.
 
   Several processes (hosts, nodes, or CPU processes on one machine) split the prompts:
-  each certifies its share (the prompts sorted by length, dealt round-robin) on its own
-  devices, with the shapes of a one-process run, and writes
-  positions.part-IIIII-of-NNNNN.parquet to its --out. Process 0 gathers the parts through
-  JAX's coordination service (no shared file system is needed), writes positions.parquet
-  (the one-process table, row for row), the summaries and run.json to its --out, and every
-  process removes its part file. A process that fails makes the others exit with an error
-  naming it. Every process runs the same command:
+  each certifies its share (the prompts left to do, sorted by length, dealt round-robin)
+  on its own devices, with the shapes of a one-process run. Process 0 streams its share
+  into --out; the others stream theirs into a hidden .process-IIIII folder of their own
+  --out and send it to process 0 through JAX's coordination service at the end (no shared
+  file system is needed). Process 0 merges the parts into positions.parquet (the
+  one-process table, row for row); the manifest says "complete" only once every prompt is
+  in it. If a process fails, the others exit with an error naming it, and process 0's
+  manifest says "incomplete" with what it holds: --resume (with one process or several)
+  certifies the rest. Processes first meet on the coordinator's address: one that does
+  not come within --join-timeout seconds is an error. Every process runs the same command:
 
     TPU pod (run on every host):   jaxcert certify --distributed ...
     SLURM, one task per node:      srun --ntasks-per-node=1 jaxcert certify --distributed ...
@@ -127,8 +130,9 @@ def add_parser(sub) -> None:
     group.add_argument(
         "--resume",
         action="store_true",
-        help="continue the interrupted run in --out (same options); finished prompts are "
-        "not recomputed",
+        help="continue the interrupted, failed or incomplete run in --out (same options, any "
+        "number of processes); finished prompts are not recomputed; with nothing saved yet, "
+        "start the run",
     )
     group.add_argument(
         "--overwrite",
@@ -201,25 +205,41 @@ def _merged_info(infos: list[dict]) -> dict:
         info[key] = sum(i[key] for i in infos)
     for key in ("prefill_s", "decode_s", "compile_s"):
         info[key] = max(i[key] for i in infos)
+    info["prompts_resumed"] = first.get("prompts_resumed", 0)
     info["processes"] = infos
     return info
 
 
-class _Peers:
-    """This process's side of the end of a multi-process run (no-ops for a single process).
+_START = "certify/start"
 
-    Every process ends by telling the others how it went, exactly once: the parts go to
-    process 0 (:func:`jaxcert.mesh.exchange_bytes`), process 0 announces the merged outcome
-    (:func:`jaxcert.mesh.announce_result`), and a process that fails says so at once
-    instead of leaving the others waiting.
+
+class _Peers:
+    """This process's side of the meetings of a multi-process run (no-ops for one process).
+
+    Two meetings: at the start process 0 tells the others what is already done
+    (:func:`jaxcert.mesh.broadcast_bytes`), at the end the parts go to process 0
+    (:func:`jaxcert.mesh.exchange_bytes`), which announces the outcome
+    (:func:`jaxcert.mesh.announce_result`). A process that fails says so at once, exactly
+    once, instead of leaving the others waiting.
     """
 
     def __init__(self, dist: mesh_lib.Distributed):
         self.dist = dist
-        self.told = dist.process_count == 1
+        self.single = dist.process_count == 1
+        self.started = self.single or not dist.is_main  # process 0 has to send the start
+        self.told = self.single
 
-    def send(self, payload: bytes) -> list[bytes] | None:
-        """Process 0: every part; elsewhere ``None`` once process 0 has merged them."""
+    def start(self, done: dict | None) -> dict:
+        """Process 0 passes ``{"done": [...], "complete": bool}``; every process gets it."""
+        if self.single:
+            return done or {}
+        self.started = True
+        payload = None if done is None else json.dumps(done).encode()
+        return json.loads(mesh_lib.broadcast_bytes(_START, payload, self.dist))
+
+    def send(self, payload: bytes) -> list | None:
+        """Process 0: every process's part or :class:`ProcessFailed`; elsewhere ``None``
+        once process 0 has merged them."""
         self.told = not self.dist.is_main  # process 0 still has to announce the outcome
         return mesh_lib.exchange_bytes(_EXCHANGE, payload, self.dist)
 
@@ -229,10 +249,13 @@ class _Peers:
             mesh_lib.announce_result(_EXCHANGE, self.dist)
 
     def fail(self, err: BaseException) -> None:
+        message = f"{type(err).__name__}: {err}"
+        if not self.started:
+            self.started = True
+            mesh_lib.fail_broadcast(_START, self.dist, message)
         if self.told:
             return
         self.told = True
-        message = f"{type(err).__name__}: {err}"
         if self.dist.is_main:
             mesh_lib.announce_result(_EXCHANGE, self.dist, error=message)
         else:
@@ -242,7 +265,11 @@ class _Peers:
 def run(args) -> int:
     # Before anything touches JAX's devices: join the other processes, if any.
     dist = mesh_lib.initialize_distributed(
-        args.coordinator, args.num_processes, args.process_id, auto=args.distributed
+        args.coordinator,
+        args.num_processes,
+        args.process_id,
+        auto=args.distributed,
+        timeout_s=args.join_timeout,
     )
     peers = _Peers(dist)
     try:
@@ -296,8 +323,6 @@ def _prompts_digest(prompt_set) -> str:
 
 
 def _run(args, dist: mesh_lib.Distributed, peers: _Peers) -> int:
-    import shutil
-
     import jax.numpy as jnp
 
     import jaxcert
@@ -316,13 +341,15 @@ def _run(args, dist: mesh_lib.Distributed, peers: _Peers) -> int:
         chat=not args.no_chat,
         system_prompt=args.system_prompt,
     )
-    if multi and args.resume:
-        raise ValueError("--resume is supported for one-process runs only (for now)")
     device_mesh = mesh_lib.make_mesh(args.mesh)
     mesh = device_mesh if device_mesh.size > 1 else None  # one device: no placement at all
     out = args.out
+    resume = args.resume
     if dist.is_main:  # before loading anything
-        certify_store.check_output(out, resume=args.resume, overwrite=args.overwrite)
+        held = certify_store.check_output(out, resume=resume, overwrite=args.overwrite)
+        if resume and not held:
+            print(f"{tag} nothing saved in {out} yet: starting the run", file=sys.stderr)
+            resume = False
     started = time.perf_counter()
     compile_cache = jaxcert.enable_compilation_cache()
     prompt_set = load_prompt_set(args.prompts, turn=args.turn, max_prompts=args.max_prompts)
@@ -350,7 +377,9 @@ def _run(args, dist: mesh_lib.Distributed, peers: _Peers) -> int:
     }
     if multi:
         meta["process_count"] = dist.process_count
-    # What a resumed run, and every process of a multi-process run, must agree on.
+    # What a resumed run, and every process of a multi-process run, must agree on. Not the
+    # process count: a row's numbers do not depend on it (each part has the whole run's
+    # shapes), so a run may be resumed with more or fewer processes.
     fingerprint = {
         "target": args.target,
         "model_sha256": certify_store.fingerprint_path(lm.path),
@@ -361,33 +390,35 @@ def _run(args, dist: mesh_lib.Distributed, peers: _Peers) -> int:
         "rules": meta["rules"],
         "options": meta["options"],
         "mesh": meta["mesh"],
-        "process_count": dist.process_count,
         "jaxcert": jaxcert.__version__,
     }
-    # Process 0 streams into --out; the others into a hidden scratch folder of theirs, sent
-    # to process 0 at the end (no shared file system needed).
+    # Process 0 streams into --out and knows what is done; the others stream into a hidden
+    # scratch folder of theirs, sent to process 0 at the end (no shared file system needed).
     scratch = out / f".process-{dist.process_index:05d}" if not dist.is_main else None
     writer = certify_store.ShardWriter(
         scratch or out,
         fingerprint,
-        resume=args.resume,
+        resume=resume and scratch is None,
         overwrite=args.overwrite or scratch is not None,
         shard_rows=args.shard_rows,
         shard_seconds=args.shard_seconds,
     )
-    resumed = len(writer.done_prompts)
-    if resumed:
-        print(
-            f"{tag} resuming: {resumed} prompts ({writer.rows_written} positions) already in {out}",
-            file=sys.stderr,
-        )
+    start = peers.start(
+        {"done": sorted(writer.done_prompts), "complete": writer.resumed_status == "complete"}
+        if dist.is_main
+        else None
+    )
+    done = set(start.get("done", ()))
+    if start.get("complete"):
+        return _already_complete(out, tag, dist, peers)
+    if done:
+        print(f"{tag} resuming: {len(done)} prompts already in {out}", file=sys.stderr)
     desc = f"certify {dist.process_index + 1}/{dist.process_count}" if multi else "certify"
     display = _Display(desc)
     part = (dist.process_index, dist.process_count) if multi else None
     run = certify.Certifier(
-        lm, prompt_set, rules, options, mesh=mesh, part=part, skip=writer.done_prompts,
-        progress=display,
-    )  # fmt: skip
+        lm, prompt_set, rules, options, mesh=mesh, part=part, skip=done, progress=display
+    )
     try:
         for table in run:
             writer.write(table)
@@ -395,7 +426,7 @@ def _run(args, dist: mesh_lib.Distributed, peers: _Peers) -> int:
         display.close()
         status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
         writer.close(status, error=f"{type(err).__name__}: {err}", info=run.info)
-        if writer.rows_written:  # everything computed is kept
+        if writer.rows_written and dist.is_main:  # everything computed is kept
             print(
                 f"{tag} {status}; {writer.rows_written} positions of "
                 f"{len(writer.done_prompts)} prompts are saved in {writer.out} (--resume "
@@ -405,31 +436,77 @@ def _run(args, dist: mesh_lib.Distributed, peers: _Peers) -> int:
         raise
     display.close()
     info = run.info
-    info["prompts_resumed"] = resumed
-    writer.close("complete", info=info)
+    info["prompts_resumed"] = len(done)
+    writer.close("running", info=info)  # "complete" only once every part is in
     if multi:
+        info = _merge_parts(writer, fingerprint, info, scratch, dist, peers, tag)
+        if info is None:  # not process 0: its part is merged
+            return 0
+    missing = sorted(run.usable - writer.done_prompts)
+    if missing:  # every part arrived, yet prompts are missing: never call this complete
+        writer.close("incomplete", info=info, missing_prompts=missing)
+        raise ValueError(f"{len(missing)} prompts are missing from {out} after the merge")
+    writer.close("complete", info=info)
+    _write_report(args, out, info, meta, rules, options, started)
+    peers.done()
+    return 0
+
+
+def _merge_parts(writer, fingerprint, info, scratch, dist, peers, tag) -> dict | None:
+    """The end of a multi-process run: the parts go to process 0, which adds each one that
+    arrived to the dataset. Returns the merged ``info`` on process 0 (``None`` elsewhere).
+
+    Raises:
+      ProcessFailed: on process 0, a process failed or sent nothing; its manifest then says
+        ``incomplete`` with every part that did arrive, for ``--resume`` to finish.
+    """
+    import shutil
+
+    from jaxcert import certify_store
+
+    payload = b""
+    if writer.rows_written:  # a process may have had nothing left to do
         table = certify_store.read_positions(writer.out)
         payload = _to_bytes(table, {"fingerprint": fingerprint, "info": info})
         del table
-        payloads = peers.send(payload)
-        if not dist.is_main:  # process 0 has merged the parts: this one is done
-            shutil.rmtree(scratch, ignore_errors=True)
-            print(
-                f"{tag} {info['positions']} positions of {info['part']['prompts']} prompts "
-                "sent to process 0, which wrote the tables",
-                file=sys.stderr,
-            )
-            return 0
-        infos = [info]
-        for i, received in enumerate(payloads[1:], start=1):
-            table, header = _from_bytes(received)
-            _check_part(i, header, fingerprint)
-            writer.add_shard(table, f"part-p{i:05d}.parquet")
-            infos.append(header["info"])
-        info = _merged_info(infos)
-        writer.close("complete", info=info)
-    _write_report(args, out, info, meta, rules, options, started)
+    outcomes = peers.send(payload)
+    if not dist.is_main:  # process 0 has merged the parts: this one is done
+        shutil.rmtree(scratch, ignore_errors=True)
+        print(
+            f"{tag} {info['positions']} positions of {info['part']['prompts']} prompts "
+            "sent to process 0, which wrote the tables",
+            file=sys.stderr,
+        )
+        return None
+    infos, failures = [info], []
+    for i, outcome in enumerate(outcomes[1:], start=1):
+        if isinstance(outcome, mesh_lib.ProcessFailed):
+            failures.append(str(outcome))
+            continue
+        if not outcome:
+            continue
+        table, header = _from_bytes(outcome)
+        _check_part(i, header, fingerprint)
+        writer.add_shard(table)
+        infos.append(header["info"])
+    info = _merged_info(infos)
+    if failures:
+        writer.close("incomplete", info=info, error="; ".join(failures))
+        raise mesh_lib.ProcessFailed(
+            f"{'; '.join(failures)}. {len(writer.done_prompts)} prompts are saved in "
+            f"{writer.out} (manifest: incomplete); run again with --resume to certify the rest"
+        )
+    return info
+
+
+def _already_complete(out, tag, dist, peers) -> int:
+    """``--resume`` of a finished run: say so, show its summary, compute nothing."""
     peers.done()
+    if dist.is_main:
+        summary = out / "summary.md"
+        print(f"{tag} {out} is already complete: nothing to resume", file=sys.stderr)
+        if summary.exists():
+            print(summary.read_text())
     return 0
 
 
