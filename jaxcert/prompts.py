@@ -108,7 +108,7 @@ def load_prompts(source: str, *, turn: int = 0, max_prompts: int | None = None) 
 
     * ``'mtbench'``: the 80 MT-Bench questions (8 categories; ``turn`` 0 or 1).
     * ``'sharegpt'``: the first human turn (``turn``: the ``turn``-th) of each complete
-      conversation of the ShareGPT V3 registry copy (about 17,700), in file order.
+      conversation of the ShareGPT V3 registry copy (17,382), in file order.
     * a ``.jsonl`` file: each line an object with a string ``prompt`` or a list ``turns``
       (the ``turn``-th entry is used; records with fewer turns, and ``prompt`` records when
       ``turn > 0``, are skipped), and optional ``id`` / ``question_id`` and ``category``.

@@ -384,7 +384,7 @@ def certificates(
     Sharding: a sharded ``logits`` (a concrete array with a ``NamedSharding``, or any array
     whose type carries explicit mesh axes, also under ``jax.jit``) is certified where it
     lives, inside ``jax.shard_map``: batch shards independently, vocabulary shards with the
-    collectives of the README's "Scaling out" section (a per-shard top-``W`` merged exactly,
+    collectives of ``docs/scaling.md`` (a per-shard top-``W`` merged exactly,
     collective max / sums / counts), never gathering a whole row except in the rare overflow
     fallback. The outputs keep the input's batch sharding (``q_star`` its full sharding).
     Inside your own ``shard_map`` whose mesh axes split the vocabulary, pass them as

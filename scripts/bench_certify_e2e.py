@@ -20,7 +20,7 @@ Examples:
   python scripts/bench_certify_e2e.py compile
   python scripts/bench_certify_e2e.py memory --sizes 10000,30000,100000
 
-Time it on an otherwise idle machine; the README's table says under which load each figure
+Time it on an otherwise idle machine; docs/benchmarks.md says under which load each figure
 was taken.
 """
 

@@ -21,7 +21,7 @@ configuration; and (``--hf-peer``) Hugging Face transformers on the same GGUF pa
 ids, greedy, 2 threads: target-only and assisted generation (heuristic and constant
 schedules).
 
-Examples: the full protocol, and the reduced run of the README table::
+Examples: the full protocol, and the reduced run of the table in docs/benchmarks.md::
 
   python scripts/bench_decode.py --batch-sizes 1,4,8 --hf-peer
   python scripts/bench_decode.py --per-category 1 --max-new-tokens 64 --temperatures 0 \\
@@ -49,7 +49,7 @@ from jaxcert.decoding import run_report
 
 DEFAULT_POLICIES = "constant:4,heuristic,confidence:0.4,svip:0.3,cert"
 DEFAULT_SHAPES = "chain,tree:2x4,dyntree:4x6x24"
-# The cert policy's tuning prompts (README): never benchmarked.
+# The cert policy's tuning prompts (docs/benchmarks.md): never benchmarked.
 TUNING = {4, 5, 6, 7} | set(range(5, 80, 10))
 
 
