@@ -25,8 +25,9 @@ __all__ = ["DecodeConfig", "Sizes", "bucket", "check_sampling"]
 # and padding a pass to its bucket costs little where the forward is memory-bound: the 1.5B's
 # 1..40-token passes on 2 cores took 405, 515, 619, 745, 824, 750, 880 (8), 994 (10),
 # 1047 (16), 1268 (20), 1357 (24), 1561 (32) and 1786 ms (40) (scripts/bench_pass_width.py;
-# docs/benchmarks.md, "Compile time"). Doubling to 16, then steps of 8 up to 24 and 16 beyond, keeps the
-# padding cost under ~20% of a pass with 7 programs for a 40-deep chain instead of 14.
+# docs/benchmarks.md, "Compile time"). Doubling to 16, then steps of 8 up to 24 and 16
+# beyond, keeps the padding cost under ~20% of a pass with 7 programs for a 40-deep chain
+# instead of 14.
 _LEVEL_BUCKETS = (1, 2, 4, 8, 16, 24, 40, 56, 64)
 
 
