@@ -36,7 +36,6 @@ is too short for that rule at that position (a longer ``top_logprobs`` helps).
 
 from __future__ import annotations
 
-import functools
 import os
 import pathlib
 from collections.abc import Iterator, Sequence
@@ -268,34 +267,17 @@ def entropy_bounds(top_p: np.ndarray, vocab_size: int | None) -> tuple[np.ndarra
     return lower, np.maximum(upper, lower)
 
 
-@functools.partial(jax.jit, static_argnames=("rule", "vocab"))
-def _window_certificate(top_x, entropy, *, rule, vocab: int):
-    """The solver's window path on sorted top log-probabilities ``[N, K]`` (``K`` = the
-    window), one compiled program per rule and shape instead of op-by-op dispatch."""
-    window = top_x.shape[1]
-    prep = solver._Prepared(
-        x=top_x,
-        valid=jnp.ones(top_x.shape[0], bool),
-        top_x=top_x,
-        top_i=jnp.broadcast_to(jnp.arange(window, dtype=jnp.int32), top_x.shape),
-        log_p_max=top_x[:, 0],
-        entropy=entropy,
-    )
-    sol, _ = solver._solve_window(prep, rule, window, vocab)
-    return solver._finish(prep, sol, False, None).value
-
-
 def _window_values(top_x, entropy, rule, vocab: int) -> np.ndarray:
-    """:func:`_window_certificate` with the rows padded to a power of two (>= 8), so that
-    files of different lengths share compiled programs."""
+    """:func:`jaxcert.solver.window_certificate` with the rows padded to a power of two
+    (>= 8), so that files of different lengths share compiled programs."""
     n = top_x.shape[0]
     rows = max(8, 1 << max(0, n - 1).bit_length())
     pad = jnp.zeros((rows - n, top_x.shape[1]), top_x.dtype).at[:, 1:].set(-jnp.inf)
-    value = _window_certificate(
+    value = solver.window_certificate(
         jnp.concatenate([top_x, pad]),
-        jnp.asarray(np.r_[entropy, np.zeros(rows - n)], jnp.float32),
-        rule=rule,
-        vocab=vocab,
+        rule,
+        vocab_size=vocab,
+        entropy=jnp.asarray(np.r_[entropy, np.zeros(rows - n)], jnp.float32),
     )
     return np.asarray(value, np.float64)[:n]
 

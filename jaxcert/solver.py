@@ -37,7 +37,7 @@ from jaxcert import _numerics, _sharding
 from jaxcert import rules as rules_lib
 from jaxcert._validate import check_int
 
-__all__ = ["Certificate", "certificate", "certificates", "DEFAULT_TOP_K"]
+__all__ = ["Certificate", "certificate", "certificates", "DEFAULT_TOP_K", "window_certificate"]
 
 DEFAULT_TOP_K = 64
 _ROW_BY_ROW_EXACT_PATH = True  # tests switch it off to run the accelerators' batched path
@@ -308,6 +308,40 @@ def _finish(prep: _Prepared, sol: _Solution, return_q: bool, axis_name) -> Certi
         valid=ok,
         q_star=q_star,
     )
+
+
+@functools.partial(jax.jit, static_argnames=("rule", "vocab_size"))
+def window_certificate(top_logprobs, rule, *, vocab_size: int, entropy=None) -> jax.Array:
+    """``C_p`` of each row from its ``K`` largest log-probabilities alone (the window path).
+
+    The value is the certificate of any distribution on ``vocab_size`` tokens with these
+    top ``K`` whenever the window holds ``U`` and ``T*`` (``docs/certificates.md`` §9);
+    deciding whether it does (``jaxcert.certify_logits.certify_top_logprobs``) is the
+    caller's part. Padding entries (``-inf``) rank last.
+
+    Args:
+      top_logprobs: ``[N, K]`` float32 natural-log probabilities, decreasing along ``K``.
+      rule: the rule.
+      vocab_size: ``V`` (static), at least ``K``.
+      entropy: ``[N]`` float32 ``H(p)`` in nats, for rules that need it (``typical``).
+
+    Returns:
+      ``[N]`` float32 nats (``inf`` where rejection is impossible).
+    """
+    top_x = jnp.asarray(top_logprobs)
+    n, window = top_x.shape
+    if entropy is None:
+        entropy = jnp.zeros((n,), top_x.dtype)
+    prep = _Prepared(
+        x=top_x,
+        valid=jnp.ones((n,), bool),
+        top_x=top_x,
+        top_i=jnp.broadcast_to(jnp.arange(window, dtype=jnp.int32), top_x.shape),
+        log_p_max=top_x[:, 0],
+        entropy=jnp.asarray(entropy, top_x.dtype),
+    )
+    sol, _ = _solve_window(prep, rule, window, vocab_size)
+    return _finish(prep, sol, False, None).value
 
 
 def _window_size(rules: Sequence, vocab: int, top_k: int) -> int:

@@ -416,3 +416,19 @@ def test_signed_zeros_are_one_value_for_solver_and_verifier(vocab):
             x = jnp.broadcast_to(jnp.asarray(rows[row]), (ids.size, vocab))
             member = np.asarray(verify.in_accepted_set(x, jnp.asarray(ids), rule))
             assert _rejected(q[row], ids[member], rule.list_size), (rule, row)
+
+
+def test_window_certificate_of_the_whole_vocabulary_is_the_certificate():
+    """With every token in the window the window path is the solver (``docs`` §9)."""
+    rng = np.random.default_rng(7)
+    p = _random_distributions(rng, 12, 16)  # [16, 12], some zeros
+    logp = _log(p)
+    top = -np.sort(-logp, axis=-1)
+    entropy = -np.sum(p * np.where(p > 0, logp, 0.0), axis=-1)
+    full = jaxcert.certificates(jnp.asarray(logp, jnp.float32), RULES)
+    for rule, cert in zip(RULES, full, strict=True):
+        got = jaxcert.solver.window_certificate(
+            jnp.asarray(top, jnp.float32), rule, vocab_size=12,
+            entropy=jnp.asarray(entropy, jnp.float32),
+        )  # fmt: skip
+        np.testing.assert_allclose(got, cert.value, rtol=2e-5, atol=1e-7, err_msg=rule.spec)
