@@ -69,6 +69,7 @@ __all__ = [
 
 SENTINEL_LOGPROB = -9999.0  # at or below: "not in the top list" (OpenAI), "-inf" (vLLM)
 _MASS_TOLERANCE = 1e-5  # engines' float32 log-probabilities sum to 1 within ~1e-6
+_LOGPROB_TOLERANCE = 1e-3  # a log-probability may exceed 0 by engines' float rounding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +91,9 @@ class _Entry:
         )
 
 
+_UNKNOWN = _Entry(None)  # a sampled token the record does not name, though it may be listed
+
+
 @dataclasses.dataclass
 class RecordCounts:
     """What reading the records changed or skipped (the summary reports it).
@@ -102,6 +106,8 @@ class RecordCounts:
       sampled_dropped: positions whose sampled token was strictly the least entry and may
         have been appended outside the top ``N``: left out of the window.
       sentinel_entries: entries at or below ``-9999`` left out.
+      ambiguous_cuts: windows cut after a value listed twice under a spelling that may
+        stand for two tokens (a duplicate, or a tie: the next entry is not known).
       bad_lines_skipped: unreadable JSON lines skipped (``skip_bad_lines``).
     """
 
@@ -110,6 +116,7 @@ class RecordCounts:
     duplicates_removed: int = 0
     sampled_dropped: int = 0
     sentinel_entries: int = 0
+    ambiguous_cuts: int = 0
     bad_lines_skipped: int = 0
 
     def as_dict(self) -> dict[str, int]:
@@ -145,7 +152,11 @@ def _log_prob(entry: dict) -> float | None:
         return _number(entry["logprob"], "a logprob")
     if "prob" in entry:  # llama.cpp: probabilities (post_sampling_probs, older servers)
         prob = _number(entry["prob"], "a prob")
-        return None if prob is None else (math.log(prob) if prob > 0 else -math.inf)
+        if prob is None or math.isnan(prob):
+            return None  # no value: the position is missing
+        if prob < 0:
+            raise ValueError(f"a negative prob: {prob!r}")
+        return math.log(prob) if prob > 0 else -math.inf
     return None
 
 
@@ -205,7 +216,7 @@ def _completions(lp: dict) -> list[_Position]:
     values = lp.get("token_logprobs") or []
     out = []
     for t, top in enumerate(tops):
-        sampled = None
+        sampled = _UNKNOWN  # listed "up to logprobs + 1": the least entry may be the extra
         if t < len(tokens) and isinstance(tokens[t], str):
             value = _number(values[t], "a token_logprob") if t < len(values) else None
             sampled = _Entry(value, text=tokens[t])
@@ -276,6 +287,17 @@ def _sequences(record) -> list[list[_Position]]:
     )
 
 
+def _ambiguous(e: _Entry, listed: list[_Entry]) -> bool:
+    """Whether ``e``'s spelling may stand for several tokens: no id and no text, text that
+    lost bytes in decoding (U+FFFD: vLLM spells every partial-UTF-8 token so), or another
+    listed entry with the same spelling and another value."""
+    if e.id is not None:
+        return False
+    if e.text is None or "\ufffd" in e.text:
+        return True
+    return any(o.same_token(e) and o.logprob != e.logprob for o in listed)
+
+
 def top_window(
     entries: list[_Entry] | None, sampled: _Entry | None, counts: RecordCounts
 ) -> list[float] | None:
@@ -285,26 +307,41 @@ def top_window(
     docstring for the rules; every entry dropped is counted in ``counts``.
 
     Raises:
-      ValueError: one token id listed with two different log-probabilities.
+      ValueError: one token id listed with two different log-probabilities, or a
+        log-probability above 0 (logits, not log-probabilities).
     """
     if not entries or any(e.logprob is None or math.isnan(e.logprob) for e in entries):
         counts.missing_positions += 1
         return None
+    if any(e.logprob > _LOGPROB_TOLERANCE for e in entries):
+        worst = max(e.logprob for e in entries)
+        raise ValueError(
+            f"a log-probability above 0 ({worst:g}): pass the engine's logprobs, not logits"
+        )
     kept: list[_Entry] = []
-    for e in entries:
+    cut = math.inf  # entries below this value are not surely the next ones (a doubt below)
+    for e in sorted(entries, key=lambda e: -e.logprob):  # stable: listed order among equals
         if e.logprob <= SENTINEL_LOGPROB:
             counts.sentinel_entries += 1
             continue
-        if e in kept:  # the same token, bytes and log-probability
-            counts.duplicates_removed += 1
+        twin = next((k for k in kept if k.same_token(e) and k.logprob == e.logprob), None)
+        if twin is not None:
+            if _ambiguous(e, entries):
+                # The same spelling and value twice: a repeated entry, or a tie of two
+                # tokens spelt alike. Either way one copy of the value is the next entry;
+                # what follows it is not known.
+                counts.ambiguous_cuts += 1
+                cut = min(cut, e.logprob)
+            else:
+                counts.duplicates_removed += 1
             continue
         if e.id is not None and any(k.id == e.id for k in kept):
             raise ValueError(f"token id {e.id} is listed with two different log-probabilities")
         kept.append(e)
+    if cut < math.inf:
+        kept = [k for k in kept if k.logprob >= cut]
     if sampled is not None and kept:
-        s = next((e for e in kept if e.same_token(sampled)), None)
-        if s is None and sampled.logprob is not None:  # identity spelt differently: by value
-            s = next((e for e in kept if _close(e.logprob, sampled.logprob)), None)
+        s = _listed_sampled(kept, sampled)
         if s is not None:
             others = [e.logprob for e in kept if e is not s]
             if not others or s.logprob < min(others):
@@ -315,7 +352,28 @@ def top_window(
     if not kept:
         counts.missing_positions += 1
         return None
-    return sorted((e.logprob for e in kept), reverse=True)
+    return [e.logprob for e in kept]
+
+
+def _listed_sampled(kept: list[_Entry], sampled: _Entry) -> _Entry | None:
+    """The listed entry that may be the sampled token (the one to drop if it is the least)."""
+    if sampled is _UNKNOWN:  # the format may append it, the record does not say which it is
+        return kept[-1]
+    if not _ambiguous(sampled, kept):
+        named = [e for e in kept if e.same_token(sampled)]
+        if named:
+            if sampled.logprob is not None:
+                close = [e for e in named if _close(e.logprob, sampled.logprob)]
+                if close:
+                    return close[-1]
+            return named[-1]  # the least of the entries spelt like it
+    if sampled.logprob is not None:  # by value (a spelling that may stand for several)
+        close = [e for e in kept if _close(e.logprob, sampled.logprob)]
+        if close:
+            return close[-1]
+    if sampled.text is not None and "\ufffd" in sampled.text:
+        return kept[-1]  # spelt like any byte token, value unknown: the least could be it
+    return None
 
 
 def _close(a: float, b: float) -> bool:

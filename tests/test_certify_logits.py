@@ -121,13 +121,16 @@ def test_record_formats(tmp_path):
     want = certify_logits.certify_top_logprobs(top, RULES, vocab_size=30)
     spellings = {
         "chat": _chat_record(top),
-        "completions": {"choices": [{"logprobs": {"top_logprobs": [
+        "completions": {"choices": [{"logprobs": {
+            "tokens": ["t0"] * len(top), "token_logprobs": [float(row[0]) for row in top],
+            "top_logprobs": [
             {f"t{i}": float(lp) for i, lp in enumerate(row)} for row in top]}}]},
         "tgi": {"generated_text": "..", "details": {"top_tokens": [
             [{"id": i, "text": "x", "logprob": float(lp)} for i, lp in enumerate(row)]
             for row in top]}},
         "llamacpp": {"completion_probabilities": [
-            {"content": "x", "probs": [{"tok_str": "x", "prob": float(np.exp(lp))} for lp in row]}
+            {"content": "t0", "probs": [{"tok_str": f"t{i}", "prob": float(np.exp(lp))}
+                                        for i, lp in enumerate(row)]}
             for row in top]},
     }  # fmt: skip
     for name, record in spellings.items():

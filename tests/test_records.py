@@ -131,15 +131,23 @@ def test_sentinel_entries_are_left_out():
     np.testing.assert_allclose(got.logprobs, [lp[:2]])
 
 
-def _record(rng, fmt: str, logp: np.ndarray, n: int, duplicate: bool, sentinel: bool):
+def _record(rng, fmt, logp, n, duplicate, sentinel, spelt_alike=False):
     """One position of an engine record for the distribution ``exp(logp)``: top ``n`` and a
-    sampled token, as the engine ``fmt`` spells it (its quirks included)."""
+    sampled token, as the engine ``fmt`` spells it (its quirks included). ``spelt_alike``:
+    every third token is spelt U+FFFD with its UTF-8 bytes, as vLLM spells byte tokens."""
     v = logp.size
+
+    def text(i):
+        return "\ufffd" if spelt_alike and i % 3 == 0 else f"t{i}"
+
+    def raw(i):
+        return list(text(i).encode())
+
     order = np.argsort(-logp, kind="stable")
     sampled = int(rng.choice(v, p=np.exp(logp) / np.exp(logp).sum()))
     lp = logp.astype(np.float32).astype(float)  # engines return float32 values
     top = [int(i) for i in order[:n]]
-    if fmt == "completions":  # the sampled token is appended when outside the top n
+    if fmt.startswith("completions"):  # the sampled token is appended outside the top n
         listed = top + ([sampled] if sampled not in top else [])
     elif fmt == "vllm-chat":  # sampled token first, then the first n kept
         listed = list(dict.fromkeys([sampled, *top]))[:n]
@@ -151,10 +159,13 @@ def _record(rng, fmt: str, logp: np.ndarray, n: int, duplicate: bool, sentinel: 
         if outside:
             listed.append((outside[0], records.SENTINEL_LOGPROB))
     rng.shuffle(listed)
-    if duplicate and fmt != "completions":  # a dict cannot repeat a key
+    if duplicate and not fmt.startswith("completions"):  # a dict cannot repeat a key
         listed.insert(int(rng.integers(len(listed) + 1)), listed[int(rng.integers(len(listed)))])
     if fmt == "completions":
         return {"tokens": [f"t{sampled}"], "token_logprobs": [lp[sampled]],
+                "top_logprobs": [{f"t{i}": x for i, x in listed}]}  # fmt: skip
+    if fmt == "completions-untold":  # the sampled token appended, but not named
+        return {"tokens": [], "token_logprobs": [],
                 "top_logprobs": [{f"t{i}": x for i, x in listed}]}  # fmt: skip
     if fmt == "llamacpp-post":
         return {"id": sampled, "token": f"t{sampled}", "prob": math.exp(lp[sampled]),
@@ -162,13 +173,13 @@ def _record(rng, fmt: str, logp: np.ndarray, n: int, duplicate: bool, sentinel: 
                               for i, x in listed]}  # fmt: skip
     if fmt == "sglang":
         return [[lp[sampled], sampled, f"t{sampled}"], [[x, i, f"t{i}"] for i, x in listed]]
-    return {"token": f"t{sampled}", "logprob": lp[sampled], "bytes": [1, sampled],
-            "top_logprobs": [{"token": f"t{i}", "logprob": x, "bytes": [1, i]}
+    return {"token": text(sampled), "logprob": lp[sampled], "bytes": raw(sampled),
+            "top_logprobs": [{"token": text(i), "logprob": x, "bytes": raw(i)}
                              for i, x in listed]}  # fmt: skip
 
 
 def _document(fmt: str, positions: list):
-    if fmt == "completions":
+    if fmt.startswith("completions"):
         merged = {k: [x for p in positions for x in p[k]]
                   for k in ("tokens", "token_logprobs", "top_logprobs")}  # fmt: skip
         return {"choices": [{"logprobs": merged}]}
@@ -180,7 +191,7 @@ def _document(fmt: str, positions: list):
     return {"choices": [{"logprobs": {"content": positions}}]}
 
 
-FORMATS = ("chat", "completions", "vllm-chat", "llamacpp-post", "sglang")
+FORMATS = ("chat", "completions", "completions-untold", "vllm-chat", "llamacpp-post", "sglang")
 
 
 @settings(
@@ -196,13 +207,15 @@ FORMATS = ("chat", "completions", "vllm-chat", "llamacpp-post", "sglang")
     n=st.integers(1, 6),
     duplicates=st.booleans(),
     sentinels=st.booleans(),
+    spelt_alike=st.booleans(),
 )
 def test_no_record_yields_a_determined_certificate_other_than_the_dense_solvers(
-    seed, fmt, vocab, n, duplicates, sentinels
+    seed, fmt, vocab, n, duplicates, sentinels, spelt_alike
 ):
-    """Records built from known distributions, with random top-n lengths, appended or
-    substituted sampled tokens, duplicated entries and sentinels, in each engine's
-    spelling: every determined certificate equals the full-vocabulary solver's."""
+    """Records built from known distributions, with random top-n lengths, appended,
+    substituted or unnamed sampled tokens, duplicated entries, sentinels, exact ties and
+    tokens spelt alike, in each engine's spelling: every determined certificate equals
+    the full-vocabulary solver's."""
     rng = np.random.default_rng(seed)
     rows = 24
     scale = rng.choice([0.3, 1.0, 3.0, 8.0], size=(rows, 1))
@@ -210,8 +223,11 @@ def test_no_record_yields_a_determined_certificate_other_than_the_dense_solvers(
     logits[: rows // 4, 1] = logits[: rows // 4, 0]  # exact ties at the top
     logp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
     n = min(n, vocab)
+    logits[rows // 4 : rows // 2, 3 % vocab] = logits[rows // 4 : rows // 2, 1]  # ties lower
+    logp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+    alike = spelt_alike and fmt in ("chat", "vllm-chat")
     positions = [_record(rng, fmt, logp[t], n, rng.random() < 0.5 and duplicates,
-                         rng.random() < 0.5 and sentinels) for t in range(rows)]  # fmt: skip
+                         rng.random() < 0.5 and sentinels, alike) for t in range(rows)]  # fmt: skip
     got, cols = _certify([_document(fmt, positions)], vocab)
     logp = logp[got.index["position"]]  # a position whose only entry was dropped is missing
     assert got.counts.missing_positions == rows - len(logp)
@@ -223,5 +239,45 @@ def test_no_record_yields_a_determined_certificate_other_than_the_dense_solvers(
         want = np.asarray(cert.value, np.float64)[det]
         np.testing.assert_allclose(cols[f"cert_{rule.spec}"][det], want, rtol=1e-4, atol=1e-6,
                                    err_msg=f"{fmt} {rule.spec}")  # fmt: skip
-    if n >= 3 and fmt in ("chat", "llamacpp-post", "sglang"):
+    if n >= 3 and fmt in ("chat", "llamacpp-post", "sglang") and not spelt_alike:
         assert determined_any > 0  # the true top 3 determine greedy and topk:2 everywhere
+
+
+def test_spellings_that_may_stand_for_several_tokens_never_overstate():
+    """Found by an adversarial pass: vLLM spells byte tokens U+FFFD (bytes of the decoded
+    text), so the sampled byte token was matched to the wrong listed one, and two byte
+    tokens tied at one value were taken for a duplicate; a completions record without
+    ``tokens`` kept its appended entry; a NaN ``prob`` was read as a sentinel."""
+    log, f = math.log, "\ufffd"
+    rules = (R.TargetTopK(2), R.TreeCoverage(2), R.Additive(0.3))
+
+    def chat(sampled, top):
+        listed = [{"token": t, "logprob": log(q), "bytes": list(t.encode())} for t, q in top]
+        position = {"token": sampled[0], "logprob": log(sampled[1]),
+                    "bytes": list(sampled[0].encode()), "top_logprobs": listed}  # fmt: skip
+        return {"choices": [{"logprobs": {"content": [position]}}]}
+
+    cases = [
+        (chat((f, 0.01), [("a", 0.4), (f, 0.3), (f, 0.01)]), [0.4, 0.3, 0.15, 0.1, 0.04, 0.01]),
+        (chat(("a", 0.4), [("a", 0.4), (f, 0.2), (f, 0.2), ("c", 0.1)]),
+         [0.4, 0.2, 0.2, 0.1, 0.06, 0.04]),
+        ([[log(0.4), log(0.2), log(0.2), log(0.1), log(0.06)]], [0.4, 0.2, 0.2, 0.1, 0.06, 0.04]),
+        ({"choices": [{"logprobs": {"top_logprobs": [{"a": log(0.5), "b": log(0.3),
+                                                      "z": log(0.01)}]}}]},
+         [0.5, 0.3, 0.1, 0.05, 0.04, 0.01]),
+    ]  # fmt: skip
+    for i, (document, p) in enumerate(cases):
+        _, cols = _certify([document], len(p), rules)
+        for rule in rules:
+            if cols[f"determined_{rule.spec}"][0]:
+                want = _dense(np.log(p), rule)
+                assert cols[f"cert_{rule.spec}"][0] == pytest.approx(want, rel=1e-5), (i, rule)
+    got = records.parse_logprob_records([cases[1][0]])
+    assert got.counts.ambiguous_cuts == 1 and np.allclose(got.logprobs, [[log(0.4), log(0.2)]])
+    nan_prob = {"completion_probabilities": [{"content": "a", "probs": [
+        {"tok_str": "a", "prob": 0.4}, {"tok_str": "b", "prob": float("nan")},
+        {"tok_str": "c", "prob": 0.2}]}]}  # fmt: skip
+    with pytest.raises(ValueError, match=r"1 positions without any"):
+        records.parse_logprob_records([nan_prob])
+    with pytest.raises(ValueError, match="a log-probability above 0 .1000"):
+        records.parse_logprob_records([[[1000.0, -1.0]]])
