@@ -265,6 +265,13 @@ class ShardWriter:
             except (pa.ArrowInvalid, OSError) as err:
                 raise ValueError(f"cannot resume: shard {path} is unreadable ({err})") from None
             prompts = sorted({int(i) for i in column.to_pylist()})
+            seen = {i: s["file"] for s in self.shards for i in s["prompts"]}
+            twice = [i for i in prompts if i in seen]
+            if twice:
+                raise ValueError(
+                    f"cannot resume {self.out}: prompt {twice[0]} is in two shards "
+                    f"({seen[twice[0]]} and {path.name}); remove the copy, or --overwrite"
+                )
             self.shards.append({"file": path.name, "rows": len(column), "prompts": prompts})
 
     @property

@@ -193,3 +193,34 @@ def test_a_failed_overwrite_keeps_the_previous_run_and_bad_manifests_are_named(
     (stray / "positions.parquet").write_text("hi")
     assert cli.main(_args(checkpoint, many_prompts, stray, "--overwrite")) == 2
     assert "is a file, not a certify dataset" in capsys.readouterr().err
+
+
+def test_resume_trusts_the_shards_not_the_manifests_word(
+    checkpoint, many_prompts, uninterrupted, tmp_path, capsys, monkeypatch
+):
+    """Found by an adversarial pass: a complete run missing a shard was called complete, a
+    shard copied twice was accepted (38 rows for 34), and a relative path to the same
+    prompts file was another run."""
+    import shutil
+
+    out = tmp_path / "run"
+    args = _args(checkpoint, many_prompts, out, "--shard-rows", "12")
+    assert cli.main(args) == 0
+    shards = sorted((out / "positions.parquet").glob("part-*.parquet"))
+    assert len(shards) >= 3
+    # A shard lost from a complete run: --resume certifies its prompts again.
+    shards[1].unlink()
+    assert cli.main(args + ["--resume"]) == 0
+    assert "already complete" not in capsys.readouterr().err
+    assert certify_store.read_positions(out).equals(certify_store.read_positions(uninterrupted))
+    # A shard copied: refused, naming the prompt and both files.
+    shards = sorted((out / "positions.parquet").glob("part-*.parquet"))
+    shutil.copy(shards[0], out / "positions.parquet" / "part-00099.parquet")
+    assert cli.main(args + ["--resume"]) == 2
+    assert f"is in two shards ({shards[0].name} and part-00099.parquet)" in capsys.readouterr().err
+    (out / "positions.parquet" / "part-00099.parquet").unlink()
+    # The same prompts file spelt from another folder is the same run.
+    monkeypatch.chdir(many_prompts.parent)
+    relative = _args(checkpoint, many_prompts.name, out, "--shard-rows", "12", "--resume")
+    assert cli.main(relative) == 0
+    assert "already complete" in capsys.readouterr().err

@@ -163,3 +163,17 @@ def test_distributed_arguments_are_checked(monkeypatch, capsys):
         mesh_lib.initialize_distributed()
     assert cli.main(["certify", "--num-processes", "2", "--process-id", "0"]) == 2
     assert "a multi-process run needs --coordinator" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_process_running_another_job_is_not_merged(checkpoint, prompt_file, tmp_path):
+    """Process 1 runs other rules: its rows are not merged, the manifest says incomplete
+    (it stayed 'running' before), and the error names what differs."""
+    out = tmp_path / "out"
+    argvs = _distributed(_args(checkpoint, prompt_file, out), 2)
+    argvs[1][argvs[1].index("--rules") + 1] = "greedy"
+    results = _launch(argvs, tmp_path)
+    assert [r.returncode for r in results] == [2, 2], [r.stderr[-3000:] for r in results]
+    assert "process 1 ran a different job than process 0 (rules differ)" in results[0].stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["status"] == "incomplete" and len(manifest["prompts_done"]) == 2

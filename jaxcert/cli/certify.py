@@ -186,11 +186,13 @@ def _from_bytes(payload: bytes):
 
 
 def _check_part(i: int, header: dict, fingerprint: dict) -> None:
-    if header["fingerprint"] != json.loads(json.dumps(fingerprint, default=str)):
+    mine = json.loads(json.dumps(fingerprint, default=str))
+    theirs = header["fingerprint"]
+    if theirs != mine:
+        differ = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
         raise ValueError(
-            f"process {i} ran a different job than process 0 (target, prompts, rules or "
-            f"options differ): {header['fingerprint']} vs {fingerprint}; every process "
-            "must run the same command"
+            f"process {i} ran a different job than process 0 ({', '.join(differ)} differ); "
+            "every process must run the same command"
         )
 
 
@@ -313,6 +315,13 @@ class _Display:
             self.bar.close()
 
 
+def _spelling(source: str) -> str:
+    """A file or folder argument by its name alone (``./x``, ``/abs/x`` and another host's
+    copy are one run: the content is fingerprinted beside it); a registry name as it is."""
+    path = pathlib.Path(source)
+    return path.resolve().name if path.exists() else source
+
+
 def _prompts_digest(prompt_set) -> str:
     import hashlib
 
@@ -381,10 +390,10 @@ def _run(args, dist: mesh_lib.Distributed, peers: _Peers) -> int:
     # process count: a row's numbers do not depend on it (each part has the whole run's
     # shapes), so a run may be resumed with more or fewer processes.
     fingerprint = {
-        "target": args.target,
+        "target": _spelling(args.target),
         "model_sha256": certify_store.fingerprint_path(lm.path),
         "dtype": args.dtype,
-        "prompts": args.prompts,
+        "prompts": _spelling(args.prompts),
         "prompts_sha256": _prompts_digest(prompt_set),
         "turn": args.turn,
         "rules": meta["rules"],
@@ -409,16 +418,17 @@ def _run(args, dist: mesh_lib.Distributed, peers: _Peers) -> int:
         else None
     )
     done = set(start.get("done", ()))
-    if start.get("complete"):
-        return _already_complete(out, tag, dist, peers)
-    if done:
-        print(f"{tag} resuming: {len(done)} prompts already in {out}", file=sys.stderr)
     desc = f"certify {dist.process_index + 1}/{dist.process_count}" if multi else "certify"
     display = _Display(desc)
     part = (dist.process_index, dist.process_count) if multi else None
     run = certify.Certifier(
         lm, prompt_set, rules, options, mesh=mesh, part=part, skip=done, progress=display
     )
+    # The shards decide, not the manifest's word: a complete run missing a shard goes on.
+    if start.get("complete") and run.usable <= done:
+        return _already_complete(out, tag, dist, peers)
+    if done:
+        print(f"{tag} resuming: {len(done)} prompts already in {out}", file=sys.stderr)
     try:
         for table in run:
             writer.write(table)
@@ -486,7 +496,11 @@ def _merge_parts(writer, fingerprint, info, scratch, dist, peers, tag) -> dict |
         if not outcome:
             continue
         table, header = _from_bytes(outcome)
-        _check_part(i, header, fingerprint)
+        try:
+            _check_part(i, header, fingerprint)
+        except ValueError as err:  # its rows are not this run's: not merged
+            failures.append(str(err))
+            continue
         writer.add_shard(table)
         infos.append(header["info"])
     info = _merged_info(infos)
