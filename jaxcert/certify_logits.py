@@ -226,6 +226,8 @@ def _floating(chunk, path) -> np.ndarray:
     chunk = np.asarray(chunk)
     if not (np.issubdtype(chunk.dtype, np.floating) or chunk.dtype.name == "bfloat16"):
         raise ValueError(f"{path}: logits must be floating point, got {chunk.dtype}")
+    if not chunk.dtype.isnative:  # e.g. a big-endian '>f4' dump: JAX takes native order only
+        chunk = chunk.astype(chunk.dtype.newbyteorder("="))
     return chunk
 
 

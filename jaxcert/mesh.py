@@ -337,16 +337,31 @@ def _rendezvous(coordinator: str, num_processes: int, process_id: int, timeout_s
             except OSError:
                 answer = b""
         if answer != b"go":
+            said = answer.decode() if answer.startswith(b"refused") else None
             raise ValueError(
                 f"process 0 at {coordinator} did not let process {process_id} join within "
                 f"{timeout_s:g} s (--join-timeout): "
-                f"{answer.decode(errors='replace') or 'no answer'}"
+                + (
+                    said
+                    or "no answer from a jaxcert process 0 there (is another run, or "
+                    "another program, using that address?)"
+                )
             )
         return
     try:
-        server = socket.create_server(("", int(port)), family=socket.AF_INET6, dualstack_ipv6=True)
-    except (OSError, ValueError):
-        server = socket.create_server(("", int(port)))
+        try:
+            server = socket.create_server(
+                ("", int(port)), family=socket.AF_INET6, dualstack_ipv6=True
+            )
+        except (OSError, ValueError) as err:
+            if getattr(err, "errno", None) == 98:  # EADDRINUSE
+                raise
+            server = socket.create_server(("", int(port)))
+    except OSError as err:
+        raise ValueError(
+            f"--coordinator {coordinator}: process 0 cannot listen on port {port} ({err}); "
+            "is another run using it? Choose another port"
+        ) from None
     joined: dict[int, socket.socket] = {}
     try:
         while len(joined) < num_processes - 1:

@@ -43,7 +43,9 @@ is turned into such a window as follows, and every change is counted
   skipped and counted, and the other positions are read.
 
 A line that is no JSON (e.g. a truncated last line) is an error naming it, or, with
-``skip_bad_lines``, skipped and counted.
+``skip_bad_lines``, skipped and counted. Streamed responses (``stream: true``, one
+``chat.completion.chunk`` per line, ``data:`` prefixes of a saved event stream allowed)
+are one record per stream ``id``, the chunks' positions in order.
 """
 
 from __future__ import annotations
@@ -229,6 +231,12 @@ def _completions(lp: dict) -> list[_Position]:
     return out
 
 
+def _is_chunk(record) -> bool:
+    """One chunk of a streamed response (``stream: true``): its positions continue the
+    previous chunk's of the same ``id``."""
+    return str(record.get("object", "")).endswith(".chunk")
+
+
 def _paired(tops: list, tokens: list) -> list[_Position]:
     """Positions from parallel lists of top lists and sampled tokens (TGI, SGLang)."""
     sampled = [_entry(t) for t in tokens] + [None] * max(0, len(tops) - len(tokens))
@@ -246,6 +254,8 @@ def _sequences(record) -> list[list[_Position]]:
                 out.append([_position(p) for p in lp["content"] or []])
             elif "top_logprobs" in lp:  # completions
                 out.append(_completions(lp))
+            elif _is_chunk(record):  # a stream's role or finish chunk: no positions
+                out.append([])
             else:
                 raise ValueError("a choice without logprobs (request top_logprobs / logprobs)")
         return out
@@ -382,7 +392,10 @@ def _close(a: float, b: float) -> bool:
 
 def _documents(path: pathlib.Path, skip_bad_lines: bool, counts: RecordCounts):
     """``(line number, parsed record)`` of a JSON Lines file or one JSON document."""
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark is no JSON
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: not a UTF-8 text file of JSON records ({err.reason})") from None
     stripped = text.lstrip()
     if stripped.startswith(("[", "{")):
         try:
@@ -395,7 +408,12 @@ def _documents(path: pathlib.Path, skip_bad_lines: bool, counts: RecordCounts):
             return list(enumerate(whole))
     lines = []
     for number, line in enumerate(text.splitlines()):
-        if not line.strip():
+        line = line.strip()
+        if line.startswith("data:"):  # a saved server-sent event stream
+            line = line[len("data:") :].strip()
+            if line == "[DONE]":
+                continue
+        if not line:
             continue
         try:
             lines.append((number, json.loads(line)))
@@ -443,17 +461,28 @@ def parse_logprob_records(documents: Iterable[Any]) -> LogprobRecords:
 def _read(lines: Iterable[tuple[int, Any]], label: str, counts: RecordCounts) -> LogprobRecords:
     rows: list[list[float]] = []
     index: dict[str, list[int]] = {"record": [], "choice": [], "position": []}
+    stream: tuple | None = None  # (id, first line, {choice: positions so far}) of a stream
     for number, record in lines:
         try:
-            for c, positions in enumerate(_sequences(record)):
-                for t, (entries, sampled) in enumerate(positions):
+            sequences = _sequences(record)
+            first, offsets = number, {}
+            if isinstance(record, dict) and _is_chunk(record) and record.get("id") is not None:
+                if stream is not None and stream[0] == record["id"]:
+                    _, first, offsets = stream
+                stream = (record["id"], first, offsets)
+            else:
+                stream = None
+            for c, positions in enumerate(sequences):
+                start = offsets.get(c, 0)
+                for t, (entries, sampled) in enumerate(positions, start):
                     window = top_window(entries, sampled, counts)
                     if window is None:
                         continue
                     rows.append(window)
-                    index["record"].append(number)
+                    index["record"].append(first)
                     index["choice"].append(c)
                     index["position"].append(t)
+                offsets[c] = start + len(positions)
         except (ValueError, TypeError, KeyError, AttributeError) as err:
             raise ValueError(f"{label}:{number + 1}: {err}") from None
     if not rows:

@@ -7,6 +7,7 @@ import math
 
 import jax.numpy as jnp
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
@@ -281,3 +282,56 @@ def test_spellings_that_may_stand_for_several_tokens_never_overstate():
         records.parse_logprob_records([nan_prob])
     with pytest.raises(ValueError, match="a log-probability above 0 .1000"):
         records.parse_logprob_records([[[1000.0, -1.0]]])
+
+
+def test_streams_byte_order_marks_big_endian_dumps_and_lines_in_errors(tmp_path, capsys):
+    """Also from the adversarial pass: a saved stream (role and finish chunks without
+    logprobs, ``data:`` lines) was refused, a BOM made line 1 invalid JSON, a big-endian
+    dump raised a raw TypeError, and errors named a window row instead of the file line."""
+    lp = np.log([0.6, 0.3, 0.1])
+    chunk = lambda choice: {"id": "s1", "object": "chat.completion.chunk", "choices": [choice]}  # noqa: E731
+    position = lambda t: {
+        "token": t,
+        "logprob": lp[0],
+        "top_logprobs": [  # noqa: E731
+            {"token": t, "logprob": lp[0]},
+            {"token": "z", "logprob": lp[1]},
+        ],
+    }
+    lines = [chunk({"index": 0, "delta": {"role": "assistant"}, "logprobs": None})]
+    lines += [chunk({"index": 0, "delta": {"content": t}, "logprobs": {"content": [position(t)]}})
+              for t in "abc"]  # fmt: skip
+    lines += [chunk({"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"})]
+    path = tmp_path / "stream.jsonl"
+    path.write_text("\ufeff" + "".join(f"data: {json.dumps(x)}\n\n" for x in lines)
+                    + "data: [DONE]\n")  # fmt: skip
+    got = records.read_logprob_records(path)
+    assert got.index["record"].tolist() == [0, 0, 0]  # one stream, one record
+    assert got.index["position"].tolist() == [0, 1, 2]
+    np.testing.assert_allclose(got.logprobs, np.tile(lp[:2], (3, 1)))
+    # A big-endian dump is certified like the native one.
+    x = np.random.default_rng(0).normal(size=(4, 6)).astype(np.float32)
+    np.save(tmp_path / "big.npy", x.astype(">f4"))
+    out = tmp_path / "o"
+    assert cli.main(["certify-logits", str(tmp_path / "big.npy"), "--rules", "greedy",
+                     "--out", str(out)]) == 0  # fmt: skip
+    want = jaxcert.certificates(jnp.asarray(x), (R.StrictGreedy(),))[0].value
+    got = pq.read_table(out / "certificates.parquet")["cert_greedy"].to_numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    # Values that are no log-probabilities are named by the file's line.
+    bad = tmp_path / "bad.jsonl"
+    good = {"content": [position("a")]}
+    logits = {
+        "content": [
+            {
+                "token": "a",
+                "logprob": -0.1,
+                "top_logprobs": [{"token": "a", "logprob": -0.1}, {"token": "b", "logprob": -0.2}],
+            }
+        ]
+    }  # sums past 1
+    bad.write_text("\n".join(json.dumps(d) for d in (good, good, logits)) + "\n")
+    assert cli.main(["certify-logits", str(bad), "--out", str(tmp_path / "b")]) == 2
+    assert "bad.jsonl:3 (choice 0, position 0): these are not log-probabilities" in (
+        capsys.readouterr().err
+    )

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import pathlib
+import re
 import sys
 import textwrap
 import time
@@ -132,9 +133,19 @@ def _certify_records(args, rules, out: pathlib.Path) -> tuple[list[str], dict]:
     from jaxcert import certify_logits
 
     records = certify_logits.read_logprob_records(args.input, skip_bad_lines=args.skip_bad_lines)
-    columns = certify_logits.certify_top_logprobs(
-        records.logprobs, rules, vocab_size=args.vocab_size
-    )
+    try:
+        columns = certify_logits.certify_top_logprobs(
+            records.logprobs, rules, vocab_size=args.vocab_size
+        )
+    except ValueError as err:  # "row N: ..." names a window: name the record's line instead
+        found = re.match(r"row (\d+)(.*)", str(err), re.S)
+        if found is None:
+            raise
+        i, index = int(found.group(1)), records.index
+        raise ValueError(
+            f"{args.input}:{index['record'][i] + 1} (choice {index['choice'][i]}, position "
+            f"{index['position'][i]}){found.group(2)}"
+        ) from None
     _write(out, [pa.table({**records.index, **columns})])
     counts = records.counts.as_dict()
     notes = [f"{_COUNT_NOTES[k]}: {v}" for k, v in counts.items() if k in _COUNT_NOTES and v]
