@@ -16,14 +16,14 @@ cite its sections as "``docs/certificates.md`` §N".
 """
 
 from jaxcert import losses
-from jaxcert._compile_cache import enable_compilation_cache
-from jaxcert.bounds import (
+from jaxcert.base.compile_cache import enable_compilation_cache
+from jaxcert.core.bounds import (
     certified_run_length,
     greedy_margin_bounds,
     tree_margin_lower_bound,
     tree_margin_upper_bound,
 )
-from jaxcert.rules import (
+from jaxcert.core.rules import (
     Additive,
     Multiplicative,
     Rule,
@@ -34,8 +34,8 @@ from jaxcert.rules import (
     parse_rule,
     parse_rules,
 )
-from jaxcert.solver import DEFAULT_TOP_K, Certificate, certificate, certificates
-from jaxcert.stats import DistributionStats, distribution_stats
+from jaxcert.core.solver import DEFAULT_TOP_K, Certificate, certificate, certificates
+from jaxcert.core.stats import DistributionStats, distribution_stats
 
 __version__ = "0.1.0"
 

@@ -25,10 +25,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxcert import _numerics, _sharding
-from jaxcert import rules as rules_lib
-from jaxcert._validate import check_float, check_mask_shape, check_probability
-from jaxcert.solver import DEFAULT_TOP_K, certificate
+from jaxcert.base.validate import check_float, check_mask_shape, check_probability
+from jaxcert.core import collectives as _sharding
+from jaxcert.core import numerics as _numerics
+from jaxcert.core import rules as rules_lib
+from jaxcert.core.solver import DEFAULT_TOP_K, certificate
 
 __all__ = [
     "kl_divergence",
@@ -207,7 +208,7 @@ def certificate_violation(
     Args:
       drafter_logits: ``[..., V]`` drafter logits (the trained side).
       target_logits: ``[..., V]`` target logits, same shape and vocabulary.
-      rule: a verification rule (:mod:`jaxcert.rules`).
+      rule: a verification rule (:mod:`jaxcert.core.rules`).
       margin: nats added to the excess; ``> 0`` asks for slack below the certificate.
       where: optional ``[...]`` bool mask of the logits' leading shape (axes of size 1
         broadcast; the rank must match); masked positions give exactly 0 loss and 0

@@ -8,7 +8,7 @@ import pathlib
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jaxcert import assets
+from jaxcert.base import assets
 from jaxcert.models._weights import LoadedModel
 from jaxcert.models.config import ModelConfig
 from jaxcert.models.gguf import gguf_config, load_gguf
@@ -23,11 +23,11 @@ def load(
     mesh: Mesh | None = None,
     rules=LOGICAL_RULES,
 ) -> LoadedModel:
-    """Loads a model from a Hugging Face folder, a `.gguf` file, or a `jaxcert.assets` name.
+    """Loads a model from a Hugging Face folder, a `.gguf` file, or a `jaxcert.base.assets` name.
 
     Args:
       name_or_path: a checkpoint directory (`load_hf`), a `.gguf` file (`load_gguf`), or an
-        asset name such as 'qwen2.5-coder-0.5b-instruct' (fetched with `jaxcert.assets.fetch`,
+        asset name such as 'qwen2.5-coder-0.5b-instruct' (fetched with `jaxcert.base.assets.fetch`,
         then `load_gguf`).
       dtype: parameter and compute dtype. The logits are float32 whatever it is, and
         jaxcert computes every verification quantity from them in float32; with bfloat16,

@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from jaxcert._validate import check_int
+from jaxcert.base.validate import check_int
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 ROPE_LAYOUTS = ("half", "interleaved")

@@ -28,7 +28,7 @@ import safetensors
 import tqdm
 from jax.sharding import Mesh
 
-from jaxcert import _paths
+from jaxcert.base import paths as _paths
 from jaxcert.models._tokenizer import tokenizer_from_gguf
 from jaxcert.models._weights import LoadedModel, hf_layout, model_from_tensors
 from jaxcert.models.config import ModelConfig
@@ -350,7 +350,7 @@ def load_gguf(
     Args:
       path: the `.gguf` file.
       dtype: parameter and compute dtype (and the cache file's dtype).
-      cache_dir: cache root; default `jaxcert._paths.cache_dir()`.
+      cache_dir: cache root; default `jaxcert.base.paths.cache_dir()`.
       mesh: place each weight directly on its shards of this `jax.sharding.Mesh` (``Auto``
         axes) as it is read; see `model_from_tensors` and `jaxcert.models.shard`.
       rules: logical -> mesh axis rules, with `mesh` (default `LOGICAL_RULES`).

@@ -4,7 +4,7 @@ Times, in one run and on the same logits:
   * the floor: one jitted ``jax.nn.log_softmax`` pass (``p`` must be read and normalised
     once whatever the solver does);
   * ``jaxcert.certificate`` for each rule alone, and all rules in one ``certificates`` call;
-  * the plain NumPy reference of the same spec (``jaxcert.reference``), per row.
+  * the plain NumPy reference of the same spec (``jaxcert.core.reference``), per row.
 and reports the ratios. Targets (issue 2): single-token rules <= 2x the log_softmax pass,
 tree rules <= 3x, and every rule >= 3x faster than NumPy.
 
@@ -31,8 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxcert
-from jaxcert import reference
-from jaxcert.rules import parse_rules
+from jaxcert.core import reference
+from jaxcert.core.rules import parse_rules
 
 RULES = "greedy,additive:0.3,multiplicative:0.1,typical,topk:2,tree:2,tree:4,tree:8"
 _PEAK_GBPS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0}  # vendors' datasheets

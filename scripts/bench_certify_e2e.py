@@ -46,8 +46,9 @@ def _emit(record: dict) -> None:
 def ratio(args) -> None:
     import numpy as np
 
-    from jaxcert import cli, decoding, models, prompts
-    from jaxcert._validate import round_up
+    from jaxcert import cli, decoding, models
+    from jaxcert.base import prompts
+    from jaxcert.base.validate import round_up
 
     prompt_set = prompts.load_prompts(args.prompts, max_prompts=args.max_prompts)
     if args.max_prompt_tokens and not args.skip_baseline:

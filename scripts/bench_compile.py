@@ -24,7 +24,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from jaxcert import assets  # noqa: E402
+from jaxcert.base import assets  # noqa: E402
 from jaxcert.decoding import config as config_lib  # noqa: E402
 from jaxcert.decoding import loop, policies  # noqa: E402
 from jaxcert.decoding.state import Settings  # noqa: E402

@@ -44,7 +44,8 @@ import time
 import jax
 import numpy as np
 
-from jaxcert import decoding, models, prompts
+from jaxcert import decoding, models
+from jaxcert.base import prompts
 from jaxcert.decoding import run_report
 
 DEFAULT_POLICIES = "constant:4,heuristic,confidence:0.4,svip:0.3,cert"
@@ -305,7 +306,7 @@ def _hf_peer(args, encoded, log):
     import torch
     import transformers
 
-    from jaxcert import assets
+    from jaxcert.base import assets
 
     torch.set_num_threads(args.hf_threads)
     paths = [pathlib.Path(assets.fetch(name)) for name in (args.target, args.drafter)]

@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_certify import RULES, synthetic_logits, timed  # noqa: E402
 
 import jaxcert  # noqa: E402
-from jaxcert.rules import parse_rules  # noqa: E402
+from jaxcert.core.rules import parse_rules  # noqa: E402
 
 _COLLECTIVE = re.compile(
     r"= (\w+)\[([\d,]*)\][^=]*? (all-gather|all-reduce|reduce-scatter|all-to-all|"

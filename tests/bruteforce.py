@@ -12,7 +12,7 @@ import math
 import numpy as np
 from scipy import optimize
 
-from jaxcert import reference
+from jaxcert.core import reference
 
 
 def _kl(p, z):

@@ -7,7 +7,7 @@ import math
 import os
 import pathlib
 
-from jaxcert import rules as rules_lib
+from jaxcert.core import rules as rules_lib
 
 # A copy of ../shared/cases/certificates.json travels with the repo so CI needs nothing
 # outside the checkout; JAXCERT_GOLDEN_CASES points at another file.

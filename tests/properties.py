@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxcert import rules as R
+from jaxcert.core import rules as R
 
 RULES = (
     R.StrictGreedy(),

@@ -9,7 +9,7 @@ import zipfile
 
 import pytest
 
-from jaxcert import assets
+from jaxcert.base import assets
 
 
 def _wheel(folder: pathlib.Path, package: str, version: str, member: str, data: bytes):

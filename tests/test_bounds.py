@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import jaxcert
-from jaxcert import bounds
-from jaxcert import rules as R
+from jaxcert.core import bounds
+from jaxcert.core import rules as R
 
 
 @pytest.fixture(autouse=True)

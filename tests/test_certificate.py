@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import jaxcert
-from jaxcert import reference, solver
-from jaxcert import rules as R
+from jaxcert.core import reference, solver
+from jaxcert.core import rules as R
 
 CASES = golden.load_cases()
 
@@ -428,7 +428,7 @@ def test_window_certificate_of_the_whole_vocabulary_is_the_certificate():
     entropy = -np.sum(p * np.where(p > 0, logp, 0.0), axis=-1)
     full = jaxcert.certificates(jnp.asarray(logp, jnp.float32), RULES)
     for rule, cert in zip(RULES, full, strict=True):
-        got = jaxcert.solver.window_certificate(
+        got = jaxcert.core.solver.window_certificate(
             jnp.asarray(top, jnp.float32), rule, vocab_size=12,
             entropy=jnp.asarray(entropy, jnp.float32),
         )  # fmt: skip

@@ -15,8 +15,11 @@ import tiny_lm
 from flax import nnx
 
 import jaxcert
-from jaxcert import certify, certify_report, cli, models, prompts
-from jaxcert import rules as R
+from jaxcert import cli, models
+from jaxcert.base import prompts
+from jaxcert.core import rules as R
+from jaxcert.pipeline import engine as certify
+from jaxcert.pipeline import report as certify_report
 
 RULES = (R.StrictGreedy(), R.Additive(0.3), R.Typical(), R.TreeCoverage(2),
          R.TreeCoverage(2, base=R.Multiplicative(0.5)))  # fmt: skip
@@ -68,7 +71,7 @@ def test_pipeline_matches_an_unbatched_teacher_forced_reference(lm):
         for rule, cert in zip(RULES, certs, strict=True):
             got = np.array([rows[certify.rule_column(rule)][r] for r in mine])
             np.testing.assert_allclose(got, cert.value, rtol=2e-4, atol=1e-6)
-        stats = jaxcert.stats.distribution_stats(jnp.asarray(logits))
+        stats = jaxcert.core.stats.distribution_stats(jnp.asarray(logits))
         np.testing.assert_allclose([rows["top1"][r] for r in mine], stats.top1, rtol=1e-4)
         np.testing.assert_allclose([rows["entropy"][r] for r in mine], stats.entropy, rtol=1e-4)
 
@@ -211,13 +214,13 @@ def test_summary_handles_infinite_certificates_and_runs():
 
 def test_distribution_stats_by_hand():
     p = jnp.array([[0.5, 0.2, 0.2, 0.1], [0.25, 0.25, 0.25, 0.25]])
-    st = jaxcert.stats.distribution_stats(jnp.log(p), top=2)
+    st = jaxcert.core.stats.distribution_stats(jnp.log(p), top=2)
     np.testing.assert_allclose(st.top1, [0.5, 0.25], rtol=1e-6)
     np.testing.assert_allclose(st.top_coverage, [0.7, 0.5], rtol=1e-6)
     np.testing.assert_allclose(st.margin, [0.3, 0.0], atol=1e-7)
     np.testing.assert_allclose(st.entropy, -np.sum(np.asarray(p) * np.log(p), -1), rtol=1e-6)
     np.testing.assert_array_equal(st.greedy_token, [0, 0])
-    assert jax.jit(jaxcert.stats.distribution_stats)(jnp.log(p)).top1.shape == (2,)
+    assert jax.jit(jaxcert.core.stats.distribution_stats)(jnp.log(p)).top1.shape == (2,)
 
 
 def test_sharegpt_files_keep_the_complete_conversations(tmp_path):

@@ -8,8 +8,11 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from jaxcert import assets, certify, certify_logits, cli, models, prompts
-from jaxcert import rules as R
+from jaxcert import cli, models
+from jaxcert.base import assets, prompts
+from jaxcert.core import rules as R
+from jaxcert.pipeline import engine as certify
+from jaxcert.pipeline import logits as certify_logits
 
 pytestmark = pytest.mark.real
 

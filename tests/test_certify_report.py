@@ -1,4 +1,4 @@
-"""The plots of ``jaxcert.certify_report``: the CDF's x-range and the per-rule scatter."""
+"""The plots of ``jaxcert.pipeline.report``: the CDF's x-range and the per-rule scatter."""
 
 import math
 
@@ -7,7 +7,7 @@ import pyarrow as pa
 import pytest
 from matplotlib.figure import Figure
 
-from jaxcert import certify_report
+from jaxcert.pipeline import report as certify_report
 
 
 def _rules_with_an_outlier():

@@ -11,7 +11,9 @@ import textwrap
 import pyarrow.parquet as pq
 import pytest
 
-from jaxcert import certify, certify_store, cli
+from jaxcert import cli
+from jaxcert.pipeline import engine as certify
+from jaxcert.pipeline import store as certify_store
 
 TEXTS = [f"{a} {b}" for a in ("the cat", "an otter", "he is", "a big one", "on the mat")
          for b in ("sat on", "is in the water", "a, b?", "on")]  # fmt: skip
@@ -59,7 +61,8 @@ def test_a_run_streams_shards_and_a_manifest(checkpoint, many_prompts, uninterru
 
 _KILLER = """
     import os, signal, sys
-    from jaxcert import certify_store, cli
+    from jaxcert.pipeline import store as certify_store
+    from jaxcert import cli
     flush = certify_store.ShardWriter.flush
     def flush_then_die(self):
         if len(self.shards) == {after}:  # the next shard: die between write and rename

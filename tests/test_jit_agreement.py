@@ -8,8 +8,9 @@ import numpy as np
 from absl.testing import parameterized
 
 import jaxcert
-from jaxcert import bounds, losses
-from jaxcert import rules as R
+from jaxcert import losses
+from jaxcert.core import bounds
+from jaxcert.core import rules as R
 
 RULES = (
     R.StrictGreedy(),

@@ -9,8 +9,9 @@ import optax
 import pytest
 from jax.test_util import check_grads
 
-from jaxcert import losses, reference
-from jaxcert import rules as R
+from jaxcert import losses
+from jaxcert.core import reference
+from jaxcert.core import rules as R
 
 RULES = [
     R.StrictGreedy(),

@@ -17,10 +17,12 @@ import pytest
 import tiny_lm
 from multidevice import run
 
-from jaxcert import certify, cli, models, prompts
-from jaxcert import mesh as mesh_lib
-from jaxcert import rules as R
-from jaxcert.certify_store import read_positions
+from jaxcert import cli, models
+from jaxcert.base import prompts
+from jaxcert.core import rules as R
+from jaxcert.models import mesh as mesh_lib
+from jaxcert.pipeline import engine as certify
+from jaxcert.pipeline.store import read_positions
 
 RULES = "greedy,additive:0.3,typical,tree:2"
 # Columns that must match exactly in every run; the rest are float32 statistics.

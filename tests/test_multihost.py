@@ -17,8 +17,8 @@ import sys
 import pytest
 
 from jaxcert import cli
-from jaxcert import mesh as mesh_lib
-from jaxcert.certify_store import read_positions
+from jaxcert.pipeline import distributed
+from jaxcert.pipeline.store import read_positions
 
 TESTS = pathlib.Path(__file__).resolve().parent
 TIMEOUT = 240
@@ -147,20 +147,20 @@ def test_a_process_that_never_joins_is_an_error_after_the_join_timeout(capsys):
 def test_distributed_arguments_are_checked(monkeypatch, capsys):
     for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         monkeypatch.delenv(name, raising=False)
-    assert mesh_lib.initialize_distributed() == mesh_lib.Distributed(0, 1)
-    assert mesh_lib.initialize_distributed(num_processes=1) == mesh_lib.Distributed(0, 1)
+    assert distributed.initialize_distributed() == distributed.Distributed(0, 1)
+    assert distributed.initialize_distributed(num_processes=1) == distributed.Distributed(0, 1)
     with pytest.raises(ValueError, match=r"needs --coordinator \(or \$JAX_COORDINATOR_ADDRESS\)"):
-        mesh_lib.initialize_distributed(num_processes=2, process_id=0)
+        distributed.initialize_distributed(num_processes=2, process_id=0)
     with pytest.raises(ValueError, match=r"--process-id must be in \[0, 2\)"):
-        mesh_lib.initialize_distributed("localhost:1234", 2, 2)
+        distributed.initialize_distributed("localhost:1234", 2, 2)
     with pytest.raises(ValueError, match="--coordinator must be HOST:PORT"):
-        mesh_lib.initialize_distributed("localhost", 2, 1)
+        distributed.initialize_distributed("localhost", 2, 1)
     monkeypatch.setenv("JAX_NUM_PROCESSES", "two")
     with pytest.raises(ValueError, match=r"\$JAX_NUM_PROCESSES must be an integer"):
-        mesh_lib.initialize_distributed()
+        distributed.initialize_distributed()
     monkeypatch.setenv("JAX_NUM_PROCESSES", "3")
     with pytest.raises(ValueError, match=r"--process-id \(or \$JAX_PROCESS_ID\)"):
-        mesh_lib.initialize_distributed()
+        distributed.initialize_distributed()
     assert cli.main(["certify", "--num-processes", "2", "--process-id", "0"]) == 2
     assert "a multi-process run needs --coordinator" in capsys.readouterr().err
 

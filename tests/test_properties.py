@@ -25,8 +25,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import jaxcert
-from jaxcert import losses, reference
-from jaxcert import rules as R
+from jaxcert import losses
+from jaxcert.core import reference
+from jaxcert.core import rules as R
 from jaxcert.decoding import verify
 
 # The documented float32 bound (docs/certificates.md, section 8): for the same stored

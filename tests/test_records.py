@@ -13,8 +13,10 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import jaxcert
-from jaxcert import certify_logits, cli, records
-from jaxcert import rules as R
+from jaxcert import cli
+from jaxcert.core import rules as R
+from jaxcert.pipeline import logits as certify_logits
+from jaxcert.pipeline import records
 
 RULES = (R.StrictGreedy(), R.Additive(0.3), R.Multiplicative(0.1), R.Typical(),
          R.TargetTopK(2), R.TreeCoverage(2), R.TreeCoverage(3, base=R.Additive(0.05)))  # fmt: skip

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from jaxcert import rules as R
+from jaxcert.core import rules as R
 
 ALL = [
     R.StrictGreedy(),

@@ -8,8 +8,9 @@ import pytest
 import tiny_lm
 from flax import nnx
 
-from jaxcert import models, prompts, training
-from jaxcert import rules as R
+from jaxcert import models, training
+from jaxcert.base import prompts
+from jaxcert.core import rules as R
 
 TEXTS = tiny_lm.TEXTS
 

@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``jaxcert`` console script."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    from jaxcert.assets import AssetError
+    from jaxcert.base.assets import AssetError
 
     try:
         return args.func(args)

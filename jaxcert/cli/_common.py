@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from jaxcert._argtypes import non_negative
-from jaxcert._validate import parsed_by
+from jaxcert.base.validate import parsed_by
+from jaxcert.cli.argtypes import non_negative, positive
 
 __all__ = [
     "add_prompt_arguments",
@@ -19,7 +19,7 @@ __all__ = [
 
 
 def _parse_rules(text: str):
-    from jaxcert.rules import parse_rules  # imported when used: `jaxcert --help` stays fast
+    from jaxcert.core.rules import parse_rules  # imported when used: `jaxcert --help` stays fast
 
     return parse_rules(text)
 
@@ -82,7 +82,7 @@ def check_vocabularies(target, drafter) -> None:
 
 def load_prompt_set(source: str, **kwargs):
     """``prompts.load_prompts``, its errors prefixed with ``--prompts``."""
-    from jaxcert import prompts
+    from jaxcert.base import prompts
 
     try:
         return prompts.load_prompts(source, **kwargs)
@@ -110,4 +110,51 @@ def add_prompt_arguments(p: argparse.ArgumentParser) -> None:
         "--system-prompt",
         default=None,
         help="explicit system message (default: none, the chat template's own)",
+    )
+
+
+def add_mesh_argument(p, what: str, default: str = "every local device on data") -> None:
+    """Adds ``--mesh data=D,model=M`` to an ``argparse`` parser (checked by :func:`make_mesh`)."""
+    p.add_argument(
+        "--mesh",
+        default=None,
+        metavar="data=D,model=M",
+        help=f"device mesh of this process: {what} (default: {default})",
+    )
+
+
+def add_distributed_arguments(p) -> None:
+    """Adds ``--coordinator``, ``--num-processes``, ``--process-id`` and ``--distributed``
+    (read by :func:`initialize_distributed`)."""
+    g = p.add_argument_group("multi-process runs (see 'scaling out' below)")
+    g.add_argument(
+        "--coordinator",
+        default=None,
+        metavar="HOST:PORT",
+        help="address of process 0's coordination service (or $JAX_COORDINATOR_ADDRESS)",
+    )
+    g.add_argument(
+        "--num-processes",
+        type=positive,
+        default=None,
+        help="number of processes (or $JAX_NUM_PROCESSES)",
+    )
+    g.add_argument(
+        "--process-id",
+        type=non_negative,
+        default=None,
+        help="this process's index, 0 to N-1 (or $JAX_PROCESS_ID)",
+    )
+    g.add_argument(
+        "--join-timeout",
+        type=positive,
+        default=300,
+        help="seconds to wait for every process to join before giving up with an error "
+        "(default 300)",
+    )
+    g.add_argument(
+        "--distributed",
+        action="store_true",
+        help="call jax.distributed.initialize() and let JAX detect the rest (TPU pods, "
+        "SLURM, Open MPI)",
     )

@@ -10,10 +10,18 @@ import sys
 import textwrap
 import time
 
-from jaxcert import mesh as mesh_lib
-from jaxcert._argtypes import non_negative, positive
 from jaxcert.cli import DEFAULT_RULES, DEFAULT_TARGET
-from jaxcert.cli._common import add_prompt_arguments, load_model, load_prompt_set, rules_arg
+from jaxcert.cli._common import (
+    add_distributed_arguments,
+    add_mesh_argument,
+    add_prompt_arguments,
+    load_model,
+    load_prompt_set,
+    rules_arg,
+)
+from jaxcert.cli.argtypes import non_negative, positive
+from jaxcert.models import mesh as mesh_lib
+from jaxcert.pipeline import distributed
 
 __all__ = ["add_parser", "run"]
 
@@ -151,8 +159,8 @@ def add_parser(sub) -> None:
         default=60,
         help="write a shard at least this often (seconds; bounds what a kill loses; default 60)",
     )
-    mesh_lib.add_mesh_argument(p, "each batch of prompts is split over data")
-    mesh_lib.add_distributed_arguments(p)
+    add_mesh_argument(p, "each batch of prompts is split over data")
+    add_distributed_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -219,13 +227,13 @@ class _Peers:
     """This process's side of the meetings of a multi-process run (no-ops for one process).
 
     Two meetings: at the start process 0 tells the others what is already done
-    (:func:`jaxcert.mesh.broadcast_bytes`), at the end the parts go to process 0
-    (:func:`jaxcert.mesh.exchange_bytes`), which announces the outcome
-    (:func:`jaxcert.mesh.announce_result`). A process that fails says so at once, exactly
-    once, instead of leaving the others waiting.
+    (:func:`jaxcert.pipeline.distributed.broadcast_bytes`), at the end the parts go to process 0
+    (:func:`jaxcert.pipeline.distributed.exchange_bytes`), which announces the outcome
+    (:func:`jaxcert.pipeline.distributed.announce_result`). A process that fails says so at
+    once, exactly once, instead of leaving the others waiting.
     """
 
-    def __init__(self, dist: mesh_lib.Distributed):
+    def __init__(self, dist: distributed.Distributed):
         self.dist = dist
         self.single = dist.process_count == 1
         self.started = self.single or not dist.is_main  # process 0 has to send the start
@@ -237,36 +245,36 @@ class _Peers:
             return done or {}
         self.started = True
         payload = None if done is None else json.dumps(done).encode()
-        return json.loads(mesh_lib.broadcast_bytes(_START, payload, self.dist))
+        return json.loads(distributed.broadcast_bytes(_START, payload, self.dist))
 
     def send(self, payload: bytes) -> list | None:
         """Process 0: every process's part or :class:`ProcessFailed`; elsewhere ``None``
         once process 0 has merged them."""
         self.told = not self.dist.is_main  # process 0 still has to announce the outcome
-        return mesh_lib.exchange_bytes(_EXCHANGE, payload, self.dist)
+        return distributed.exchange_bytes(_EXCHANGE, payload, self.dist)
 
     def done(self) -> None:
         if not self.told:
             self.told = True
-            mesh_lib.announce_result(_EXCHANGE, self.dist)
+            distributed.announce_result(_EXCHANGE, self.dist)
 
     def fail(self, err: BaseException) -> None:
         message = f"{type(err).__name__}: {err}"
         if not self.started:
             self.started = True
-            mesh_lib.fail_broadcast(_START, self.dist, message)
+            distributed.fail_broadcast(_START, self.dist, message)
         if self.told:
             return
         self.told = True
         if self.dist.is_main:
-            mesh_lib.announce_result(_EXCHANGE, self.dist, error=message)
+            distributed.announce_result(_EXCHANGE, self.dist, error=message)
         else:
-            mesh_lib.exchange_bytes(_EXCHANGE, None, self.dist, error=message)
+            distributed.exchange_bytes(_EXCHANGE, None, self.dist, error=message)
 
 
 def run(args) -> int:
     # Before anything touches JAX's devices: join the other processes, if any.
-    dist = mesh_lib.initialize_distributed(
+    dist = distributed.initialize_distributed(
         args.coordinator,
         args.num_processes,
         args.process_id,
@@ -278,7 +286,7 @@ def run(args) -> int:
         return _run(args, dist, peers)
     except BaseException as err:
         peers.fail(err)
-        if isinstance(err, mesh_lib.ProcessFailed):  # another process's failure
+        if isinstance(err, distributed.ProcessFailed):  # another process's failure
             print(f"jaxcert certify: error: {err}", file=sys.stderr)
             return 2
         raise
@@ -331,12 +339,13 @@ def _prompts_digest(prompt_set) -> str:
     return h.hexdigest()
 
 
-def _run(args, dist: mesh_lib.Distributed, peers: _Peers) -> int:
+def _run(args, dist: distributed.Distributed, peers: _Peers) -> int:
     import jax.numpy as jnp
 
     import jaxcert
-    from jaxcert import certify, certify_store
-    from jaxcert.rules import parse_rules
+    from jaxcert.core.rules import parse_rules
+    from jaxcert.pipeline import engine as certify
+    from jaxcert.pipeline import store as certify_store
 
     multi = dist.process_count > 1
     tag = f"[jaxcert {dist.process_index + 1}/{dist.process_count}]" if multi else "[jaxcert]"
@@ -472,7 +481,7 @@ def _merge_parts(writer, fingerprint, info, scratch, dist, peers, tag) -> dict |
     """
     import shutil
 
-    from jaxcert import certify_store
+    from jaxcert.pipeline import store as certify_store
 
     payload = b""
     if writer.rows_written:  # a process may have had nothing left to do
@@ -490,7 +499,7 @@ def _merge_parts(writer, fingerprint, info, scratch, dist, peers, tag) -> dict |
         return None
     infos, failures = [info], []
     for i, outcome in enumerate(outcomes[1:], start=1):
-        if isinstance(outcome, mesh_lib.ProcessFailed):
+        if isinstance(outcome, distributed.ProcessFailed):
             failures.append(str(outcome))
             continue
         if not outcome:
@@ -506,7 +515,7 @@ def _merge_parts(writer, fingerprint, info, scratch, dist, peers, tag) -> dict |
     info = _merged_info(infos)
     if failures:
         writer.close("incomplete", info=info, error="; ".join(failures))
-        raise mesh_lib.ProcessFailed(
+        raise distributed.ProcessFailed(
             f"{'; '.join(failures)}. {len(writer.done_prompts)} prompts are saved in "
             f"{writer.out} (manifest: incomplete); run again with --resume to certify the rest"
         )
@@ -525,7 +534,9 @@ def _already_complete(out, tag, dist, peers) -> int:
 
 
 def _write_report(args, out, info, meta, rules, options, started) -> None:
-    from jaxcert import certify, certify_report, certify_store
+    from jaxcert.pipeline import engine as certify
+    from jaxcert.pipeline import report as certify_report
+    from jaxcert.pipeline import store as certify_store
 
     rule_cols = [certify.rule_column(r) for r in rules]
     stat_cols = ["top1", f"top{options.top}_coverage", "margin", "entropy"]

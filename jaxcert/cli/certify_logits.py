@@ -16,9 +16,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from jaxcert._argtypes import positive
 from jaxcert.cli import DEFAULT_RULES
 from jaxcert.cli._common import rules_arg
+from jaxcert.cli.argtypes import positive
 
 __all__ = ["add_parser", "run"]
 
@@ -84,7 +84,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from jaxcert.rules import parse_rules
+    from jaxcert.core.rules import parse_rules
 
     rules = parse_rules(args.rules)
     out = args.out
@@ -118,7 +118,7 @@ def run(args) -> int:
 
 def _dense_chunks(args, rules):
     """Certified chunks of a dense dump (tables), streamed."""
-    from jaxcert import certify_logits
+    from jaxcert.pipeline import logits as certify_logits
 
     chunks = certify_logits.iter_dense_file(
         args.input, chunk_rows=args.chunk_rows, tensor=args.tensor, vocab_size=args.vocab_size
@@ -130,7 +130,7 @@ def _dense_chunks(args, rules):
 
 
 def _certify_records(args, rules, out: pathlib.Path) -> tuple[list[str], dict]:
-    from jaxcert import certify_logits
+    from jaxcert.pipeline import logits as certify_logits
 
     records = certify_logits.read_logprob_records(args.input, skip_bad_lines=args.skip_bad_lines)
     try:
@@ -205,7 +205,8 @@ def _row_name(table: pa.Table, i: int) -> str:
 
 
 def _summary(table: pa.Table, rules, name: str, dense: bool, notes: list[str]) -> str:
-    from jaxcert import certify_logits, certify_report
+    from jaxcert.pipeline import logits as certify_logits
+    from jaxcert.pipeline import report as certify_report
 
     text = f"## Positions: {table.num_rows} ({name})\n\n"
     if notes:

@@ -11,10 +11,9 @@ import pathlib
 import sys
 import time
 
-from jaxcert import mesh as mesh_lib
-from jaxcert._argtypes import non_negative_float, positive, unit_float
 from jaxcert.cli import DEFAULT_DECODE_TARGET, DEFAULT_DRAFTER
 from jaxcert.cli._common import (
+    add_mesh_argument,
     add_prompt_arguments,
     check_vocabularies,
     load_model,
@@ -22,6 +21,8 @@ from jaxcert.cli._common import (
     policy_arg,
     verify_arg,
 )
+from jaxcert.cli.argtypes import non_negative_float, positive, unit_float
+from jaxcert.models import mesh as mesh_lib
 
 __all__ = ["DecodeProgress", "add_parser", "run"]
 
@@ -119,7 +120,7 @@ def add_parser(sub) -> None:
         help="replace the decode run already in --out (its summary.json, rounds.parquet, "
         "nodes.parquet and outputs.jsonl; other files stay); without it, it is refused",
     )
-    mesh_lib.add_mesh_argument(p, "batch rows over data, both models' weights over model")
+    add_mesh_argument(p, "batch rows over data, both models' weights over model")
     p.set_defaults(func=run)
 
 
@@ -180,7 +181,8 @@ def run(args) -> int:
     import jax
 
     import jaxcert
-    from jaxcert import decoding, prompts
+    from jaxcert import decoding
+    from jaxcert.base import prompts
     from jaxcert.decoding import run_report
 
     policy = decoding.parse_policy(args.policy)

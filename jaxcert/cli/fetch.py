@@ -6,7 +6,7 @@ __all__ = ["add_parser", "run"]
 
 
 def add_parser(sub) -> None:
-    from jaxcert import assets
+    from jaxcert.base import assets
 
     p = sub.add_parser(
         "fetch",
@@ -22,7 +22,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from jaxcert import assets
+    from jaxcert.base import assets
 
     if args.list or not (args.names or args.all):
         for asset in assets.ASSETS.values():

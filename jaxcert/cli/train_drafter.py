@@ -17,9 +17,15 @@ import time
 
 import numpy as np
 
-from jaxcert._argtypes import non_negative, non_negative_float, positive, positive_float, unit_float
 from jaxcert.cli import DEFAULT_TARGET
 from jaxcert.cli._common import check_vocabularies, load_model, load_prompt_set
+from jaxcert.cli.argtypes import (
+    non_negative,
+    non_negative_float,
+    positive,
+    positive_float,
+    unit_float,
+)
 
 __all__ = ["add_parser", "run"]
 
@@ -186,7 +192,8 @@ def _decode_heldout(args, prompt_set, held, heads, results) -> None:
     """Adds the speculative decoder's acceptance length of each drafter to ``results``."""
     import jax.numpy as jnp
 
-    from jaxcert import models, prompts, training
+    from jaxcert import models, training
+    from jaxcert.base import prompts
 
     target = load_model("--target", args.target, dtype=jnp.float32)
     if args.drafter is None:
@@ -213,8 +220,10 @@ def _decode_heldout(args, prompt_set, held, heads, results) -> None:
 def run(args) -> int:
     import jax.numpy as jnp
 
-    from jaxcert import certify_report, models, prompts, training
-    from jaxcert import rules as rules_lib
+    from jaxcert import models, training
+    from jaxcert.base import prompts
+    from jaxcert.core import rules as rules_lib
+    from jaxcert.pipeline import report as certify_report
 
     if not 0 < args.heldout < 1:
         raise ValueError(f"--heldout must be in (0, 1), got {args.heldout}")

@@ -25,14 +25,14 @@ import numpy as np
 from flax import nnx
 
 from jaxcert import models
-from jaxcert._validate import check_int
+from jaxcert.base.prompts import pad_prompts
+from jaxcert.base.validate import check_int
 from jaxcert.decoding import loop
 from jaxcert.decoding import policies as policies_lib
 from jaxcert.decoding.config import DecodeConfig, Sizes, bucket, check_sampling
 from jaxcert.decoding.protocols import DecoderModel
 from jaxcert.decoding.state import RoundStats, Settings
 from jaxcert.models import sharding as sharding_lib
-from jaxcert.prompts import pad_prompts
 
 __all__ = [
     "COMPILER_OPTIONS",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxcert._validate import check_float, check_int, check_probability, round_up
+from jaxcert.base.validate import check_float, check_int, check_probability, round_up
 from jaxcert.decoding import policies as policies_lib
 from jaxcert.decoding import tree as tree_lib
 from jaxcert.decoding.state import Settings

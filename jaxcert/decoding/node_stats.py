@@ -16,11 +16,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcert import rules as rules_lib
+from jaxcert.core import rules as rules_lib
+from jaxcert.core.solver import certificates
 from jaxcert.decoding import policies as policies_lib
 from jaxcert.decoding.state import NodeStats, RoundStats
 from jaxcert.losses import kl_divergence
-from jaxcert.solver import certificates
 
 __all__ = ["node_stats", "pad_nodes", "empty_round_stats"]
 

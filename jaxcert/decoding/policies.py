@@ -33,11 +33,11 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxcert import _numerics
-from jaxcert._validate import check_float, check_probability, in_user_words
-from jaxcert._validate import check_int as _check_int
+from jaxcert.base.validate import check_float, check_probability, in_user_words
+from jaxcert.base.validate import check_int as _check_int
+from jaxcert.core import numerics as _numerics
+from jaxcert.core.stats import distribution_stats
 from jaxcert.decoding.state import PolicyState
-from jaxcert.stats import distribution_stats
 
 __all__ = [
     "Constant",

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcert._validate import check_int as _check_int
+from jaxcert.base.validate import check_int as _check_int
 
 __all__ = [
     "Chain",

@@ -1,6 +1,6 @@
 """Verification: which drafted tokens does the target accept?
 
-* Deterministic rules (:mod:`jaxcert.rules`): a drafted token ``x`` at a position with target
+* Deterministic rules (:mod:`jaxcert.core.rules`): a drafted token ``x`` at a position with target
   distribution ``p`` passes iff ``x`` is in the rule's accepted set ``U(p)``, the same set the
   certificate solver uses (a prefix of the tokens sorted by decreasing ``p``, stable: ties go
   to the lower id). ``StrictGreedy``: ``U = {argmax p}``. The target then appends its greedy
@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxcert import _numerics
-from jaxcert import rules as rules_lib
+from jaxcert.core import numerics as _numerics
+from jaxcert.core import rules as rules_lib
 from jaxcert.decoding.tree import Chain, DynamicTree, TreeShape, parse_tree
 
 __all__ = [
@@ -43,7 +43,7 @@ class Verification:
 
     Attributes:
       tree: the draft shape (:class:`~jaxcert.decoding.tree.Chain` by default).
-      rule: a single-token rule of :mod:`jaxcert.rules`, or ``None`` for speculative sampling.
+      rule: a single-token rule of :mod:`jaxcert.core.rules`, or ``None`` for speculative sampling.
     """
 
     tree: TreeShape = Chain()

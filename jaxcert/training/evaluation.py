@@ -12,10 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxcert import _numerics, losses
-from jaxcert import rules as rules_lib
-from jaxcert._validate import round_up
-from jaxcert.solver import certificates
+from jaxcert import losses
+from jaxcert.base.validate import round_up
+from jaxcert.core import numerics as _numerics
+from jaxcert.core import rules as rules_lib
+from jaxcert.core.solver import certificates
 from jaxcert.training.features import FeatureSet
 from jaxcert.training.heads import DraftHead, project
 

@@ -12,11 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxcert import certify, prompts
-from jaxcert import rules as rules_lib
-from jaxcert._validate import round_up
+from jaxcert.base import prompts
+from jaxcert.base.prompts import pad_prompts
+from jaxcert.base.validate import round_up
+from jaxcert.core import rules as rules_lib
 from jaxcert.models import check_same_vocabulary
-from jaxcert.prompts import pad_prompts
+from jaxcert.pipeline import engine as certify
 from jaxcert.training.heads import project
 
 if TYPE_CHECKING:

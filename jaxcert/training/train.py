@@ -12,7 +12,7 @@ import optax
 from flax import nnx
 
 from jaxcert import losses
-from jaxcert import rules as rules_lib
+from jaxcert.core import rules as rules_lib
 from jaxcert.training.features import FeatureSet
 from jaxcert.training.heads import DraftHead, project
 

@@ -10,11 +10,11 @@ from flax import nnx
 from tiny_decoding import MAX_NEW, PROMPTS, WIDTH
 
 from jaxcert import decoding
+from jaxcert.base.prompts import pad_prompts
 from jaxcert.decoding import api, loop
 from jaxcert.decoding.config import Sizes
 from jaxcert.decoding.state import Settings
 from jaxcert.models import KVCache, forward
-from jaxcert.prompts import pad_prompts
 
 
 @functools.partial(jax.jit, static_argnames=("graph", "slots"))

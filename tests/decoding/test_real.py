@@ -10,7 +10,8 @@ pytestmark = pytest.mark.real
 
 @pytest.fixture(scope="module")
 def qwen():
-    from jaxcert import assets, models, prompts
+    from jaxcert import models
+    from jaxcert.base import assets, prompts
 
     if assets.cached_path("qwen2.5-coder-0.5b-instruct") is None:
         pytest.skip("qwen2.5-coder-0.5b-instruct is not cached (jaxcert fetch it)")

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxcert import rules as R
+from jaxcert.core import rules as R
+from jaxcert.core.solver import certificate
 from jaxcert.decoding import tree as T
 from jaxcert.decoding import verify as Vf
-from jaxcert.solver import certificate
 
 RULES = [
     R.StrictGreedy(),

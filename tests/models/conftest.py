@@ -49,7 +49,7 @@ def real_asset():
     """`real_asset(name) -> path` of a cached real asset, or skip the test (never downloads).
 
     `$JAXCERT_ASSET_<NAME>` (name upper-cased, non-alphanumerics as `_`) overrides; otherwise
-    `jaxcert.assets.cached_path(name)`, i.e. the verified file under `$JAXCERT_CACHE`.
+    `jaxcert.base.assets.cached_path(name)`, i.e. the verified file under `$JAXCERT_CACHE`.
     """
 
     def find(name: str) -> pathlib.Path:
@@ -59,7 +59,7 @@ def real_asset():
                 pytest.fail(f"{env}={os.environ[env]} is not a file")
             return pathlib.Path(os.environ[env])
         try:
-            from jaxcert import assets
+            from jaxcert.base import assets
 
             path = assets.cached_path(name)
         except ImportError:

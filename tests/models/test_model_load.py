@@ -12,7 +12,8 @@ import safetensors.numpy
 import tiny_models
 from flax import nnx
 
-from jaxcert import assets, models
+from jaxcert import models
+from jaxcert.base import assets
 from jaxcert.models import KVCache, forward, load, load_hf
 
 STEP = jax.jit(forward, static_argnums=0)

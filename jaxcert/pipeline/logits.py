@@ -44,11 +44,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcert import rules as rules_lib
-from jaxcert import solver
-from jaxcert import stats as stats_lib
-from jaxcert.certify_report import rule_column
-from jaxcert.records import read_logprob_records
+from jaxcert.core import rules as rules_lib
+from jaxcert.core import solver
+from jaxcert.core import stats as stats_lib
+from jaxcert.pipeline.records import read_logprob_records
+from jaxcert.pipeline.report import rule_column
 
 __all__ = [
     "certify_dense",
@@ -270,7 +270,7 @@ def entropy_bounds(top_p: np.ndarray, vocab_size: int | None) -> tuple[np.ndarra
 
 
 def _window_values(top_x, entropy, rule, vocab: int) -> np.ndarray:
-    """:func:`jaxcert.solver.window_certificate` with the rows padded to a power of two
+    """:func:`jaxcert.core.solver.window_certificate` with the rows padded to a power of two
     (>= 8), so that files of different lengths share compiled programs."""
     n = top_x.shape[0]
     rows = max(8, 1 << max(0, n - 1).bit_length())

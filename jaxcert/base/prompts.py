@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxcert._validate import check_int
+from jaxcert.base.validate import check_int
 
 __all__ = ["Prompt", "load_prompts", "encode_prompts", "pad_prompts"]
 
@@ -130,7 +130,7 @@ def load_prompts(source: str, *, turn: int = 0, max_prompts: int | None = None) 
       ValueError: invalid JSON or a record without a usable prompt (line number given),
         no prompts at all, or the name of an asset that is a model.
     """
-    from jaxcert import assets
+    from jaxcert.base import assets
 
     if max_prompts is not None:
         check_int("max_prompts", max_prompts)

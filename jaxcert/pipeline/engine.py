@@ -18,7 +18,7 @@ same. A row's numbers depend only on its own prompt and the run's shapes (slots,
 length), not on which prompts share the batch, so an interrupted run that resumes
 (``skip``) computes the same rows as an uninterrupted one.
 
-On a mesh (:mod:`jaxcert.mesh`) the slots are split over the ``data`` axis and the weights
+On a mesh (:mod:`jaxcert.models.mesh`) the slots are split over the ``data`` axis and the weights
 over ``model``; the one-row prefill is replicated over ``data``. With ``part`` a process
 certifies only its share of the prompts (with the shapes of the whole run, so the same
 numbers) and :func:`merge_parts` joins the shares.
@@ -40,13 +40,13 @@ from flax import nnx
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxcert import mesh as mesh_lib
 from jaxcert import models
-from jaxcert import stats as stats_lib
-from jaxcert._validate import check_int, round_up
-from jaxcert.certify_report import rule_column
-from jaxcert.prompts import Prompt, encode_prompts
-from jaxcert.solver import certificates
+from jaxcert.base.prompts import Prompt, encode_prompts
+from jaxcert.base.validate import check_int, round_up
+from jaxcert.core import stats as stats_lib
+from jaxcert.core.solver import certificates
+from jaxcert.models import mesh as mesh_lib
+from jaxcert.pipeline.report import rule_column
 
 __all__ = [
     "CertifyOptions",
@@ -224,9 +224,9 @@ class Certifier:
     Args:
       lm: a ``models.LoadedModel`` (the target).
       prompts: the prompts; a prompt's ``prompt_index`` column is its index here.
-      rules: the verification rules (``jaxcert.rules``).
+      rules: the verification rules (``jaxcert.core.rules``).
       options: a :class:`CertifyOptions`.
-      mesh: a ``("data", "model")`` mesh (:func:`jaxcert.mesh.make_mesh`): the slots are
+      mesh: a ``("data", "model")`` mesh (:func:`jaxcert.models.mesh.make_mesh`): the slots are
         split over ``data`` (the batch size rounded up to a multiple of its size), the
         weights over ``model`` (``jaxcert.models.shard``; tensor parallelism). ``None``:
         JAX's default device.

@@ -6,7 +6,7 @@ the target distribution ``p`` (the tokens whose proposal is accepted), its compl
 ``q`` iff its worst-case top-``m`` list lies inside ``L``.
 
 In this module a rule only says how to find ``U`` and ``m``; the solver in
-:mod:`jaxcert.solver` does the rest. ``U`` is always a prefix of the tokens
+:mod:`jaxcert.core.solver` does the rest. ``U`` is always a prefix of the tokens
 sorted by decreasing ``p`` (stable: lower index first), given either by a static size
 (strict greedy, target top-k, tree) or by a probability threshold (additive,
 multiplicative, typical).
@@ -20,7 +20,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from jaxcert._validate import check_float, check_int, check_probability, in_user_words
+from jaxcert.base.validate import check_float, check_int, check_probability, in_user_words
 
 __all__ = [
     "Rule",
@@ -360,7 +360,7 @@ def parse_rule(spec: str) -> Rule:
       ValueError: unknown rule name, wrong number of parameters or invalid values.
 
     Example:
-      >>> from jaxcert.rules import parse_rule
+      >>> from jaxcert.core.rules import parse_rule
       >>> parse_rule("tree:4+additive:0.3")
       TreeCoverage(m=4, base=Additive(t=0.3))
     """

@@ -27,7 +27,7 @@ import sys
 import tempfile
 import zipfile
 
-from jaxcert._paths import cache_dir
+from jaxcert.base.paths import cache_dir
 
 __all__ = ["Asset", "AssetError", "ASSETS", "cache_dir", "cached_path", "fetch", "names"]
 

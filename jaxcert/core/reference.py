@@ -18,7 +18,7 @@ import math
 
 import numpy as np
 
-from jaxcert import rules as rules_lib
+from jaxcert.core import rules as rules_lib
 
 __all__ = ["ReferenceResult", "certificate_np", "certificate_enumerate", "stable_h"]
 
@@ -116,7 +116,7 @@ def certificate_np(p: np.ndarray, rule) -> ReferenceResult:
 
     Args:
       p: ``[V]`` probabilities (normalised here; zeros allowed).
-      rule: a rule from :mod:`jaxcert.rules`.
+      rule: a rule from :mod:`jaxcert.core.rules`.
 
     Returns:
       A :class:`ReferenceResult`.

@@ -20,9 +20,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.scipy.special import xlogy
 
-from jaxcert import _numerics
-from jaxcert._validate import check_int as _check_int
-from jaxcert._validate import check_mask_shape
+from jaxcert.base.validate import check_int as _check_int
+from jaxcert.base.validate import check_mask_shape
+from jaxcert.core import numerics as _numerics
 
 __all__ = [
     "greedy_margin_bounds",

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pyarrow as pa
 
-from jaxcert import bounds
+from jaxcert.core import bounds
 
 if TYPE_CHECKING:  # matplotlib is imported by the plotting functions only
     from matplotlib.figure import Figure
@@ -31,7 +31,7 @@ RUN_BUDGETS = (0.01, 0.05, 0.1, 0.3)
 
 def rule_column(rule) -> str:
     """Column name of a rule's certificate, e.g. ``cert_tree:4`` (also
-    ``jaxcert.certify.rule_column``)."""
+    ``jaxcert.pipeline.engine.rule_column``)."""
     return f"cert_{rule.spec}"
 
 

@@ -1,9 +1,9 @@
-"""argparse types built on :mod:`jaxcert._validate`: the command line rejects out-of-range
+"""argparse types built on :mod:`jaxcert.base.validate`: the command line rejects out-of-range
 values when it is parsed, with the library's own checks."""
 
 from __future__ import annotations
 
-from jaxcert._validate import argtype, check_float, check_int, check_probability
+from jaxcert.base.validate import argtype, check_float, check_int, check_probability
 
 __all__ = ["positive", "non_negative", "unit_float", "positive_float", "non_negative_float"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import pathlib
 
-from jaxcert._paths import cache_dir
+from jaxcert.base.paths import cache_dir
 
 __all__ = ["enable_compilation_cache"]
 
@@ -14,7 +14,7 @@ def enable_compilation_cache(path: str | os.PathLike | None = None) -> pathlib.P
     """Turns on JAX's persistent compilation cache, so identical runs do not recompile.
 
     Compiled XLA executables are stored under ``path`` (default ``<cache>/xla``, see
-    ``jaxcert._paths.cache_dir``) and reused by any later process with the same program,
+    ``jaxcert.base.paths.cache_dir``) and reused by any later process with the same program,
     shapes, JAX version and devices; every program is cached (measured: a 0.5 s threshold
     left 2.3 s of compilation in a second certify run, none left 1.8 s). The environment
     variable ``JAXCERT_COMPILE_CACHE`` overrides the default folder (a path), or turns the

@@ -1,11 +1,9 @@
-"""Device meshes and multi-process runs for the command line (``--mesh``, ``--coordinator``).
+"""Multi-process ``jaxcert certify``: joining, and the meetings of the processes.
 
-One process drives a mesh of its *local* devices with two axes: ``data`` splits the batch of
-prompts, ``model`` (tensor parallelism) splits the weights. Several processes (the hosts of
-a TPU pod, the nodes of a GPU cluster, or CPU processes on one machine) each certify their
-share of the prompts on their own devices and meet only to merge the results, through the
-coordination service of :func:`jax.distributed.initialize` (no cross-host device
-collectives and no shared file system are needed).
+Several processes (the hosts of a TPU pod, the nodes of a GPU cluster, or CPU processes on
+one machine) each certify their share of the prompts on their own devices and meet only to
+merge the results, through the coordination service of :func:`jax.distributed.initialize`
+(no cross-host device collectives and no shared file system are needed).
 
 Launching ``N`` processes (each runs the same command):
 
@@ -17,14 +15,6 @@ Launching ``N`` processes (each runs the same command):
   ``--coordinator HOST:PORT --num-processes N --process-id I`` (process 0 listens on
   ``PORT`` of ``HOST``), or set ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and
   ``JAX_PROCESS_ID``. On CPU the collectives go through gloo.
-
-Example::
-
-  >>> parse_mesh("data=2,model=4")
-  {'data': 2, 'model': 4}
-  >>> mesh = make_mesh(None)  # every local device on "data"
-  >>> mesh.axis_names, mesh.shape["model"]
-  (('data', 'model'), 1)
 """
 
 from __future__ import annotations
@@ -32,152 +22,22 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Mapping, Sequence
-
-from jaxcert._argtypes import non_negative, positive
 
 __all__ = [
-    "AXES",
     "Distributed",
     "ProcessFailed",
-    "add_distributed_arguments",
-    "add_mesh_argument",
     "announce_result",
     "broadcast_bytes",
-    "fail_broadcast",
-    "data_size",
-    "describe",
     "exchange_bytes",
+    "fail_broadcast",
     "initialize_distributed",
-    "make_mesh",
-    "parse_mesh",
-    "place",
-    "shard_model",
 ]
-
-#: Mesh axis names, in mesh order: ``data`` splits the batch, ``model`` the weights.
-AXES = ("data", "model")
 
 _ENV = {
     "coordinator": "JAX_COORDINATOR_ADDRESS",
     "num_processes": "JAX_NUM_PROCESSES",
     "process_id": "JAX_PROCESS_ID",
 }
-
-
-def parse_mesh(spec: str) -> dict[str, int]:
-    """Parses ``"data=2,model=4"`` into ``{"data": 2, "model": 4}`` (axes in the given order).
-
-    Raises:
-      ValueError: an empty spec, an entry that is not ``AXIS=SIZE``, an axis other than
-        ``data``/``model``, an axis given twice, or a size that is not a positive integer.
-    """
-    if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"--mesh must look like data=2,model=4, got {spec!r}")
-    axes: dict[str, int] = {}
-    for entry in spec.split(","):
-        name, sep, size = (part.strip() for part in entry.partition("="))
-        if not sep or not name or not size:
-            raise ValueError(f"--mesh entry {entry.strip()!r} is not AXIS=SIZE (e.g. data=2)")
-        if name not in AXES:
-            raise ValueError(f"--mesh axis {name!r} is unknown; the axes are {', '.join(AXES)}")
-        if name in axes:
-            raise ValueError(f"--mesh axis {name!r} is given twice")
-        try:
-            value = int(size)
-        except ValueError:
-            value = 0
-        if value < 1:
-            raise ValueError(f"--mesh {name}={size}: the size must be a positive integer")
-        axes[name] = value
-    return axes
-
-
-def _describe(axes: Mapping[str, int]) -> str:
-    return ",".join(f"{k}={v}" for k, v in axes.items())
-
-
-def describe(mesh) -> str:
-    """``"data=2,model=4"``: a mesh's shape as ``--mesh`` spells it."""
-    return _describe(dict(mesh.shape))
-
-
-def make_mesh(spec: str | Mapping[str, int] | None = None, *, devices: Sequence | None = None):
-    """A ``("data", "model")`` mesh over this process's devices (``Auto`` axes).
-
-    Args:
-      spec: ``"data=2,model=4"`` (:func:`parse_mesh`), the same as a mapping, or ``None``:
-        every device on ``data``. An omitted ``model`` is 1; an omitted ``data`` takes the
-        devices ``model`` leaves (``model=4`` on 8 devices is ``data=2,model=4``).
-      devices: the devices (default ``jax.local_devices()``: a process drives only its own).
-
-    Returns:
-      A ``jax.sharding.Mesh`` of shape ``(data, model)``.
-
-    Raises:
-      ValueError: the sizes do not multiply to the number of devices.
-    """
-    import jax
-    import numpy as np
-    from jax.sharding import AxisType, Mesh
-
-    devices = list(jax.local_devices() if devices is None else devices)
-    n = len(devices)
-    axes = dict(parse_mesh(spec) if isinstance(spec, str) else (spec or {}))
-    given = _describe(axes) if axes else None
-    model = axes.get("model", 1)
-    if "data" not in axes:
-        if n % model:
-            raise ValueError(
-                f"--mesh {given}: {n} devices do not split into groups of model={model} "
-                f"(this process sees {n} devices)"
-            )
-        axes["data"] = n // model
-    data = axes["data"]
-    if data * model != n:
-        raise ValueError(
-            f"--mesh {given} needs {data * model} devices, this process sees {n}; the sizes "
-            "must multiply to the number of local devices (set them with --mesh, e.g. "
-            f"--mesh data={n})"
-        )
-    grid = np.asarray(devices, dtype=object).reshape(data, model)
-    return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
-
-
-def data_size(mesh) -> int:
-    """Size of the mesh's ``data`` axis, after checking its axes are ``data`` and ``model``.
-
-    Raises:
-      ValueError: other axes.
-    """
-    shape = dict(mesh.shape)
-    if set(shape) - set(AXES):
-        raise ValueError(f"mesh axes must be {' and '.join(AXES)}, got {tuple(shape)}")
-    return shape.get("data", 1)
-
-
-def place(tree, mesh, spec):
-    """``tree`` on ``NamedSharding(mesh, spec)``: ``P()`` replicates, ``P("data")`` splits
-    the leading (batch) axis over ``data``. The identity without a mesh."""
-    if mesh is None:
-        return tree
-    import jax
-    from jax.sharding import NamedSharding
-
-    return jax.device_put(tree, NamedSharding(mesh, spec))
-
-
-def shard_model(model, mesh):
-    """``model`` (an ``nnx`` module) on ``mesh`` by ``jaxcert.models.shard``: weights split
-    over ``model`` (tensor parallelism), activations and cache rows constrained to ``data``.
-    The model itself when it already lives there, or without a mesh."""
-    from jaxcert import models
-    from jaxcert.models import sharding
-
-    layout = sharding.layout_of(model)
-    if mesh is None or (layout is not None and layout.mesh == mesh):
-        return model
-    return models.shard(model, mesh)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -405,53 +265,6 @@ def _rendezvous(coordinator: str, num_processes: int, process_id: int, timeout_s
         for conn in joined.values():
             conn.close()
         server.close()
-
-
-def add_mesh_argument(p, what: str, default: str = "every local device on data") -> None:
-    """Adds ``--mesh data=D,model=M`` to an ``argparse`` parser (checked by :func:`make_mesh`)."""
-    p.add_argument(
-        "--mesh",
-        default=None,
-        metavar="data=D,model=M",
-        help=f"device mesh of this process: {what} (default: {default})",
-    )
-
-
-def add_distributed_arguments(p) -> None:
-    """Adds ``--coordinator``, ``--num-processes``, ``--process-id`` and ``--distributed``
-    (read by :func:`initialize_distributed`)."""
-    g = p.add_argument_group("multi-process runs (see 'scaling out' below)")
-    g.add_argument(
-        "--coordinator",
-        default=None,
-        metavar="HOST:PORT",
-        help="address of process 0's coordination service (or $JAX_COORDINATOR_ADDRESS)",
-    )
-    g.add_argument(
-        "--num-processes",
-        type=positive,
-        default=None,
-        help="number of processes (or $JAX_NUM_PROCESSES)",
-    )
-    g.add_argument(
-        "--process-id",
-        type=non_negative,
-        default=None,
-        help="this process's index, 0 to N-1 (or $JAX_PROCESS_ID)",
-    )
-    g.add_argument(
-        "--join-timeout",
-        type=positive,
-        default=300,
-        help="seconds to wait for every process to join before giving up with an error "
-        "(default 300)",
-    )
-    g.add_argument(
-        "--distributed",
-        action="store_true",
-        help="call jax.distributed.initialize() and let JAX detect the rest (TPU pods, "
-        "SLURM, Open MPI)",
-    )
 
 
 def _client():

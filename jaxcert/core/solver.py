@@ -33,9 +33,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxcert import _numerics, _sharding
-from jaxcert import rules as rules_lib
-from jaxcert._validate import check_int
+from jaxcert.base.validate import check_int
+from jaxcert.core import collectives as _sharding
+from jaxcert.core import numerics as _numerics
+from jaxcert.core import rules as rules_lib
 
 __all__ = ["Certificate", "certificate", "certificates", "DEFAULT_TOP_K", "window_certificate"]
 
@@ -316,7 +317,7 @@ def window_certificate(top_logprobs, rule, *, vocab_size: int, entropy=None) -> 
 
     The value is the certificate of any distribution on ``vocab_size`` tokens with these
     top ``K`` whenever the window holds ``U`` and ``T*`` (``docs/certificates.md`` §9);
-    deciding whether it does (``jaxcert.certify_logits.certify_top_logprobs``) is the
+    deciding whether it does (``jaxcert.pipeline.logits.certify_top_logprobs``) is the
     caller's part. Padding entries (``-inf``) rank last.
 
     Args:

@@ -36,7 +36,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcert import _numerics
+from jaxcert.core import numerics as _numerics
 
 __all__ = [
     "AxisName",

@@ -9,8 +9,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxcert import _numerics, _sharding
-from jaxcert._validate import check_int
+from jaxcert.base.validate import check_int
+from jaxcert.core import collectives as _sharding
+from jaxcert.core import numerics as _numerics
 
 __all__ = ["DistributionStats", "distribution_stats"]
 
