@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import jaxcert
-from jaxcert.core import reference, solver
+from jaxcert.core import reference
 from jaxcert.core import rules as R
 
 CASES = golden.load_cases()
@@ -235,11 +235,8 @@ def _flat_top(rng, vocab, n_flat, spread):
     ids=["cpu-rows", "batched"],
 )
 @pytest.mark.parametrize("top_k", [4, pytest.param(16, marks=pytest.mark.slow)])
-def test_exact_fallback_on_large_vocab(top_k, row_by_row, x64, monkeypatch, request):
+def test_exact_fallback_on_large_vocab(top_k, row_by_row, x64):
     # batched: the accelerators' exact path (every row at once), forced on CPU.
-    monkeypatch.setattr(solver, "_ROW_BY_ROW_EXACT_PATH", row_by_row)
-    jax.clear_caches()
-    request.addfinalizer(jax.clear_caches)  # later tests compile with the default again
     rng = np.random.default_rng(top_k)
     vocab = 3000
     p = np.stack(
@@ -256,7 +253,8 @@ def test_exact_fallback_on_large_vocab(top_k, row_by_row, x64, monkeypatch, requ
         R.TreeCoverage(8),
     ]
     for dtype in (jnp.float64, jnp.float32):
-        certs = jaxcert.certificates(jnp.asarray(_log(p), dtype), rules, return_q=True, top_k=top_k)
+        certs = jaxcert.certificates(jnp.asarray(_log(p), dtype), rules, return_q=True,
+                                     top_k=top_k, exact_rows=row_by_row)  # fmt: skip
         for rule, cert in zip(rules, jax.device_get(certs), strict=True):
             for row in range(p.shape[0]):
                 ref = reference.certificate_np(p[row], rule)

@@ -41,7 +41,6 @@ from jaxcert.core import rules as rules_lib
 __all__ = ["Certificate", "certificate", "certificates", "DEFAULT_TOP_K", "window_certificate"]
 
 DEFAULT_TOP_K = 64
-_ROW_BY_ROW_EXACT_PATH = True  # tests switch it off to run the accelerators' batched path
 
 
 @flax.struct.dataclass
@@ -243,7 +242,7 @@ def _select(flag, a: _Solution, b: _Solution) -> _Solution:
     return jax.tree.map(pick, a, b)
 
 
-def _solve(prep: _Prepared, rule, window: int, vocab: int, axis_name) -> _Solution:
+def _solve(prep: _Prepared, rule, window: int, vocab: int, axis_name, rows: bool) -> _Solution:
     sol, exact = _solve_window(prep, rule, window, vocab)
     if rule.static_upper_size is not None or window == vocab:
         return sol
@@ -251,7 +250,7 @@ def _solve(prep: _Prepared, rule, window: int, vocab: int, axis_name) -> _Soluti
     entropy = prep.entropy if prep.entropy is not None else jnp.zeros_like(prep.log_p_max)
     args = (prep.x, prep.top_x, prep.log_p_max, entropy, rule, window, vocab, axis_name)
 
-    if _ROW_BY_ROW_EXACT_PATH and jax.default_backend() == "cpu":
+    if rows:
         # CPU: row by row, so a batch pays only for its hard rows.
         def fix_rows():
             def one(row_args):
@@ -350,15 +349,17 @@ def _window_size(rules: Sequence, vocab: int, top_k: int) -> int:
     return max(1, min(vocab, max(need)))
 
 
-def _certificates_local(x, axis_name, *, rules, return_q, top_k):
+def _certificates_local(x, axis_name, *, rules, return_q, top_k, exact_rows):
     """Certificates of ``x: [..., V_local]``, a whole row or one shard of the vocabulary."""
     lead = x.shape[:-1]
     flat = jnp.reshape(x, (-1, x.shape[-1]))
     vocab = x.shape[-1] * _sharding.axis_size(axis_name)
     window = _window_size(rules, vocab, top_k)
     prep = _prepare(flat, window, any(r.needs_entropy for r in rules), axis_name)
+    rows = jax.default_backend() == "cpu" if exact_rows is None else exact_rows
     outs = tuple(
-        _finish(prep, _solve(prep, r, window, vocab, axis_name), return_q, axis_name) for r in rules
+        _finish(prep, _solve(prep, r, window, vocab, axis_name, rows), return_q, axis_name)
+        for r in rules
     )
 
     def unflatten(a):
@@ -367,9 +368,13 @@ def _certificates_local(x, axis_name, *, rules, return_q, top_k):
     return tuple(jax.tree_util.tree_map(unflatten, out) for out in outs)
 
 
-@functools.partial(jax.jit, static_argnames=("rules", "return_q", "top_k", "axis_name"))
-def _certificates_jit(x, *, rules, return_q, top_k, axis_name):
-    return _certificates_local(x, axis_name, rules=rules, return_q=return_q, top_k=top_k)
+@functools.partial(
+    jax.jit, static_argnames=("rules", "return_q", "top_k", "axis_name", "exact_rows")
+)
+def _certificates_jit(x, *, rules, return_q, top_k, axis_name, exact_rows):
+    return _certificates_local(
+        x, axis_name, rules=rules, return_q=return_q, top_k=top_k, exact_rows=exact_rows
+    )
 
 
 def _out_specs(rules, return_q):
@@ -413,6 +418,7 @@ def certificates(
     return_q: bool = False,
     top_k: int = DEFAULT_TOP_K,
     axis_name: str | tuple[str, ...] | None = None,
+    exact_rows: bool | None = None,
 ) -> tuple[Certificate, ...]:
     """Exact certificates of several rules, sharing one normalisation and one top-``W``.
 
@@ -436,6 +442,9 @@ def certificates(
         past it are solved exactly over the full vocabulary; ``W`` only trades speed.
       axis_name: mesh axis name(s) splitting the last axis of ``logits``, when called
         inside ``shard_map`` (``logits`` is then this device's ``[..., V / n]`` shard).
+      exact_rows: how rows past the window are solved (static; same results): one row at
+        a time, so a batch pays only for its hard rows (``True``), or every row at once,
+        which keeps an accelerator busy (``False``). ``None``: rows on CPU, else at once.
 
     Returns:
       One :class:`Certificate` per rule, in order.
@@ -449,7 +458,7 @@ def certificates(
     """
     rules = tuple(rules)
     logits = _check_inputs(_numerics.host_logits(logits), rules, top_k)
-    kw = dict(rules=rules, return_q=return_q, top_k=top_k)
+    kw = dict(rules=rules, return_q=return_q, top_k=top_k, exact_rows=exact_rows)
 
     def run(x, vocab_axes):
         if vocab_axes is None and not isinstance(x, jax.core.Tracer):
