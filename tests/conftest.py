@@ -47,9 +47,9 @@ def _free_compiled_programs():
 
     import jax
 
-    from jaxcert.decoding import api
+    from jaxcert import decoding
 
-    api.clear_compiled()
+    decoding.default_programs().clear()
     jax.clear_caches()
     gc.collect()
 

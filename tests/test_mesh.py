@@ -177,14 +177,16 @@ def test_decode_on_4_devices_matches_one_device(tmp_path, monkeypatch):
 
     got = run(f"""
         from jaxcert import cli
-        from jaxcert.decoding import api
-        api.COMPILER_OPTIONS["xla_backend_optimization_level"] = 0  # compile time dominates
+        from jaxcert import decoding
+        decoding.default_programs().compiler_options["xla_backend_optimization_level"] = 0
         print(json.dumps({{"rc": cli.main({args("mesh", "--mesh", "data=2,model=2")!r})}}))
         """, devices=4)  # fmt: skip
     assert got == {"rc": 0}
-    from jaxcert.decoding import api
+    from jaxcert import decoding
 
-    monkeypatch.setitem(api.COMPILER_OPTIONS, "xla_backend_optimization_level", 0)
+    monkeypatch.setitem(
+        decoding.default_programs().compiler_options, "xla_backend_optimization_level", 0
+    )
     assert cli.main(args("one")) == 0  # one device: this process
     read = lambda out: [json.loads(x) for x in (tmp_path / out / "outputs.jsonl").open()]  # noqa: E731
     assert read("mesh") == read("one")

@@ -46,7 +46,7 @@ def add_parser(sub) -> None:
         help="certificates of dense logits or engines' top-K log-probabilities",
         description=textwrap.fill(
             "Certify every position of logits computed by another framework or serving "
-            "engine. Writes certificates.parquet and summary.md to --out.",
+            "engine. Writes certificates.parquet, summary.md and run.json to --out.",
             width=90,
         ),
         epilog=_EPILOG,
@@ -99,7 +99,9 @@ def run(args) -> int:
         notes, extra = _write(out, _dense_chunks(args, rules)), {}
     else:
         notes, extra = _certify_records(args, rules, out)
-    text = _summary(pq.read_table(target), rules, args.input.name, dense, notes)
+    text = _summary(
+        pq.read_table(target), rules, args.input.name, dense, notes, args.vocab_size is not None
+    )
     (out / "summary.md").write_text(text)
     meta = {
         "command": " ".join(sys.argv),
@@ -112,7 +114,8 @@ def run(args) -> int:
     }
     (out / "run.json").write_text(json.dumps(meta, indent=2))
     print(text)
-    print(f"[jaxcert] wrote {target} and summary.md in {meta['total_s']} s", file=sys.stderr)
+    print(f"[jaxcert] wrote {target}, summary.md and run.json in {meta['total_s']} s",
+          file=sys.stderr)  # fmt: skip
     return 0
 
 
@@ -192,7 +195,7 @@ def _write(out: pathlib.Path, tables) -> list[str]:
     if not invalid:
         return []
     shown = ", ".join(invalid[:5]) + (", ..." if len(invalid) > 5 else "")
-    print(f"[jaxcert] {len(invalid)} rows hold NaN or +inf logits, or no finite logit "
+    print(f"[jaxcert] {len(invalid)} row(s) hold NaN or +inf logits, or no finite logit "
           f"(valid = false, certificates nan): {shown}", file=sys.stderr)  # fmt: skip
     return [f"rows that are no distribution (NaN or +inf logits, or none finite; valid = "
             f"false, certificates nan): {len(invalid)}: {shown}"]  # fmt: skip
@@ -204,7 +207,9 @@ def _row_name(table: pa.Table, i: int) -> str:
     return f"row {table['row'][i].as_py()}"
 
 
-def _summary(table: pa.Table, rules, name: str, dense: bool, notes: list[str]) -> str:
+def _summary(
+    table: pa.Table, rules, name: str, dense: bool, notes: list[str], vocab_given: bool
+) -> str:
     from jaxcert.pipeline import logits as certify_logits
     from jaxcert.pipeline import report as certify_report
 
@@ -218,7 +223,7 @@ def _summary(table: pa.Table, rules, name: str, dense: bool, notes: list[str]) -
             det = table[certify_logits.determined_column(r)].to_numpy(zero_copy_only=False)
             shares.append(f"{r.spec} {np.mean(det):.1%}")
             if not det.all():
-                hints.append(f"- {r.spec}: {_needed_k(r)}")
+                hints.append(f"- {r.spec}: {_needed_k(r, vocab_given)}")
         text += f"Determined by the top-K window (share of positions): {', '.join(shares)}\n\n"
         text += f"Entries per position: K = {k.min()} to {k.max()} (median {np.median(k):g}).\n\n"
         if hints:
@@ -230,7 +235,7 @@ def _summary(table: pa.Table, rules, name: str, dense: bool, notes: list[str]) -
     return text + certify_report.markdown_table(summary) + "\n"
 
 
-def _needed_k(rule) -> str:
+def _needed_k(rule, vocab_given: bool) -> str:
     """What top-list length determines ``rule`` (``docs/certificates.md`` §9)."""
     if rule.static_upper_size is not None:
         need = rule.static_upper_size + rule.list_size
@@ -238,5 +243,5 @@ def _needed_k(rule) -> str:
     return (
         f"needs the window to reach a token below the rule's threshold and |U| + "
         f"{rule.list_size} tokens: request a longer top_logprobs"
-        + (" and pass --vocab-size" if rule.needs_entropy else "")
+        + (" and pass --vocab-size" if rule.needs_entropy and not vocab_given else "")
     )

@@ -230,7 +230,7 @@ def run(args) -> int:
     key = jax.random.key(args.seed)
     total = len(encoded) * args.max_new_tokens * (1 if args.no_baseline else 2)
     progress = DecodeProgress(total)
-    compiled_before = decoding.compilations()
+    compiled_before = decoding.default_programs().compiled
     runs = {"target": [], "speculative": []}
     ids = [p.id for p in prompt_set]
     for start in range(0, len(encoded), args.batch_size):
@@ -290,7 +290,7 @@ def run(args) -> int:
         "seed": args.seed,
         "load_s": round(load_s, 2),
         "compile_s": round(sum(r.compile_s for rs in runs.values() for r in rs), 1),
-        "programs_compiled": decoding.compilations() - compiled_before,
+        "programs_compiled": decoding.default_programs().compiled - compiled_before,
         "compilation_cache": str(cache_dir) if cache_dir else None,
         "total_s": round(time.perf_counter() - started, 1),
     }

@@ -29,8 +29,6 @@ Example::
 from jaxcert.decoding.api import (
     DecodeOutput,
     check_pair,
-    clear_compiled,
-    compilations,
     speculative_decode,
     split_model,
     target_decode,
@@ -46,6 +44,7 @@ from jaxcert.decoding.policies import (
     PolicyParams,
     parse_policy,
 )
+from jaxcert.decoding.programs import Programs, default_programs
 from jaxcert.decoding.protocols import Cache, DecoderModel
 from jaxcert.decoding.state import (
     DecodeState,
@@ -66,6 +65,8 @@ __all__ = [
     "Confidence",
     "Constant",
     "DecodeConfig",
+    "Programs",
+    "default_programs",
     "DecodeOutput",
     "DecodeState",
     "DraftTree",
@@ -82,8 +83,6 @@ __all__ = [
     "Verification",
     "bucket",
     "check_pair",
-    "clear_compiled",
-    "compilations",
     "in_accepted_set",
     "parse_policy",
     "parse_tree",

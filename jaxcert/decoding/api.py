@@ -14,7 +14,6 @@ avoid the transfer), and the caches and logits stay split as the models' layouts
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
@@ -30,48 +29,18 @@ from jaxcert.base.validate import check_int
 from jaxcert.decoding import loop
 from jaxcert.decoding import policies as policies_lib
 from jaxcert.decoding.config import DecodeConfig, Sizes, bucket, check_sampling
+from jaxcert.decoding.programs import Programs, default_programs
 from jaxcert.decoding.protocols import DecoderModel
 from jaxcert.decoding.state import RoundStats, Settings
 from jaxcert.models import sharding as sharding_lib
 
 __all__ = [
-    "COMPILER_OPTIONS",
     "DecodeOutput",
     "check_pair",
-    "clear_compiled",
-    "compilations",
     "speculative_decode",
     "split_model",
     "target_decode",
 ]
-
-# Compiled decoders, least recently used first. Bounded: every CPU executable holds
-# hundreds of memory maps (measured: about 580 per decoder program of a tiny model) until it
-# is freed, and a process dies at the system's map limit (65,530 by default).
-_COMPILED: collections.OrderedDict = collections.OrderedDict()
-MAX_PROGRAMS = 48
-_COMPILE_COUNT = [0]  # programs compiled by this process (see `compilations`)
-
-
-def clear_compiled() -> None:
-    """Frees every compiled decoder of this process (the next call compiles again)."""
-    _COMPILED.clear()
-
-
-def compilations() -> int:
-    """How many decoder programs this process has compiled so far.
-
-    Programs are cached per shape (the config's static part, the bucketed buffer sizes, the
-    batch and prompt widths, the devices): a sweep over budgets, end tokens, temperatures,
-    top-p and policies adds none once its shapes are compiled.
-    """
-    return _COMPILE_COUNT[0]
-
-
-#: XLA options for every decoder this module compiles, e.g.
-#: ``{"xla_backend_optimization_level": 0}`` trades run time for compile time (the tests do
-#: this: their tiny models compile for much longer than they run). Part of the cache key.
-COMPILER_OPTIONS: dict = {}
 
 
 @dataclasses.dataclass
@@ -198,30 +167,6 @@ check_pair = models.check_same_vocabulary
 """Raises ``ValueError`` unless target and drafter share one vocabulary (and tokenizer)."""
 
 
-def _compile(fn, args: tuple, static: dict, on_compile: Callable[[str], None] | None = None):
-    """AOT-compiles ``fn`` (a ``jax.jit``) once per static arguments and argument shapes.
-
-    ``args`` are the dynamic arguments (arrays or ``ShapeDtypeStruct``s), ``static`` the static
-    ones by name; the result is called with the dynamic arguments only.
-    """
-    leaves, treedef = jax.tree.flatten(args)
-    # The shardings too: the same shapes on one device and on a mesh compile differently.
-    avals = tuple((tuple(x.shape), str(x.dtype), getattr(x, "sharding", None)) for x in leaves)
-    options = tuple(sorted(COMPILER_OPTIONS.items()))
-    signature = (fn, tuple(sorted(static.items(), key=lambda kv: kv[0])), str(treedef), avals)
-    signature += (options,)
-    if signature not in _COMPILED:
-        if on_compile is not None:
-            on_compile(fn.__name__)
-        lowered = fn.lower(*args, **static)
-        _COMPILED[signature] = lowered.compile(compiler_options=dict(options) or None)
-        _COMPILE_COUNT[0] += 1
-        while len(_COMPILED) > MAX_PROGRAMS:  # evict the least recently used program
-            _COMPILED.popitem(last=False)
-    _COMPILED.move_to_end(signature)
-    return _COMPILED[signature]
-
-
 def _prepare_prompts(prompts, prompt_width, minimum, vocab_size, models_, new_tokens, draft):
     """Validates the prompts and the context length; returns the (bucketed) prompt width.
 
@@ -249,6 +194,24 @@ def _generated(state, rows: int):
     return jnp.sum(new if new.shape[0] == rows else new[:rows])
 
 
+def _drive(pre, pre_args, call, rows: int, progress) -> tuple:
+    """The host loop of both decoders: the timed prefill, then ``call(state)`` until every
+    row is done. Returns ``(state, prefill_s, decode_s)``."""
+    t0 = time.perf_counter()
+    state = pre(*pre_args)
+    jax.block_until_ready(state)
+    prefill_s = time.perf_counter() - t0
+    decode_s, done = 0.0, False
+    while not done:
+        t0 = time.perf_counter()
+        state = call(state)
+        done, generated = jax.device_get((jnp.all(state.done), _generated(state, rows)))
+        decode_s += time.perf_counter() - t0
+        if progress is not None:
+            progress(int(generated))
+    return state, prefill_s, decode_s
+
+
 def speculative_decode(
     target,
     drafter,
@@ -261,6 +224,7 @@ def speculative_decode(
     progress: Callable[[int], None] | None = None,
     mesh: jax.sharding.Mesh | None = None,
     on_compile: Callable[[str], None] | None = None,
+    programs: Programs | None = None,
 ) -> DecodeOutput:
     """Speculative decoding of one batch of token prompts.
 
@@ -275,8 +239,11 @@ def speculative_decode(
       progress: called with the number of new output tokens after every call.
       mesh: run on this ``jax.sharding.Mesh`` (``Auto`` axes); default: the mesh the models
         live on, if any.
-      on_compile: called with the program's name before each compilation (a program this
-        process has not compiled yet), e.g. to show it in a progress display.
+      on_compile: called with the program's name before each compilation (a program
+        ``programs`` does not hold yet), e.g. to show it in a progress display.
+      programs: where compiled programs are kept and counted
+        (:class:`~jaxcert.decoding.programs.Programs`; default: the process's,
+        :func:`~jaxcert.decoding.programs.default_programs`).
 
     Returns:
       A :class:`DecodeOutput`.
@@ -307,29 +274,24 @@ def speculative_decode(
     if isinstance(config.tree, loop.tree_lib.Chain) and policy.k_max > config.max_draft:
         params = params.replace(k_max=jnp.asarray(config.max_draft, jnp.int32))
     params, key, settings = _replicated((params, key, settings), placement)
-    t0, before = time.perf_counter(), compilations()
+    programs = default_programs() if programs is None else programs
+    t0, before = time.perf_counter(), programs.compiled
     graphs = {"t_graph": t_graph, "d_graph": d_graph}
     pre_args = (t_params, d_params, prompt, lengths, params, key, settings)
-    pre = _compile(loop.prefill, pre_args, graphs | {"config": static, "sizes": sizes}, on_compile)
+    pre = programs.compile(
+        loop.prefill, pre_args, graphs | {"config": static, "sizes": sizes}, on_compile
+    )
     run_args = (t_params, d_params, pre.out_info, params)
-    run = _compile(loop.run_rounds, run_args, graphs | {"config": static}, on_compile)
-    compile_s, compiled = time.perf_counter() - t0, compilations() - before
-    t0 = time.perf_counter()
-    state = pre(*pre_args)
-    jax.block_until_ready(state)
-    prefill_s = time.perf_counter() - t0
-    decode_s, chunks = 0.0, []
-    done = False
-    while not done:
-        t0 = time.perf_counter()
+    run = programs.compile(loop.run_rounds, run_args, graphs | {"config": static}, on_compile)
+    compile_s, compiled = time.perf_counter() - t0, programs.compiled - before
+    chunks: list = []
+
+    def call(state):
         state, stats = run(t_params, d_params, state, params)
-        stats, done, generated = jax.device_get(
-            (stats, jnp.all(state.done), _generated(state, rows))
-        )
-        decode_s += time.perf_counter() - t0
-        chunks.append(stats)
-        if progress is not None:
-            progress(int(generated))
+        chunks.append(jax.device_get(stats))
+        return state
+
+    state, prefill_s, decode_s = _drive(pre, pre_args, call, rows, progress)
     stats = jax.tree.map(lambda *xs: np.concatenate(xs, axis=0)[:, :rows], *chunks)
     keep = np.any(stats.active, axis=1)
     stats = jax.tree.map(lambda x: x[keep], stats)
@@ -351,6 +313,7 @@ def target_decode(
     progress: Callable[[int], None] | None = None,
     mesh: jax.sharding.Mesh | None = None,
     on_compile: Callable[[str], None] | None = None,
+    programs: Programs | None = None,
 ) -> DecodeOutput:
     """Target-only decoding (greedy at temperature 0, else sampled), the speed baseline.
 
@@ -376,23 +339,15 @@ def target_decode(
     key = jax.random.key(0) if key is None else key
     key, settings = _replicated((key, settings), placement)
     sizes = Sizes.for_prompts(width, None, bucket(max_new_tokens))
-    t0, before = time.perf_counter(), compilations()
+    programs = default_programs() if programs is None else programs
+    t0, before = time.perf_counter(), programs.compiled
     pre_args = (params, prompt, lengths, key, settings)
-    pre = _compile(loop.prefill_target, pre_args, {"graph": graph, "sizes": sizes}, on_compile)
+    pre = programs.compile(
+        loop.prefill_target, pre_args, {"graph": graph, "sizes": sizes}, on_compile
+    )
     kw = dict(graph=graph, steps=steps_per_call, sampling=temperature > 0)
-    run = _compile(loop.run_target_steps, (params, pre.out_info), kw, on_compile)
-    compile_s, compiled = time.perf_counter() - t0, compilations() - before
-    t0 = time.perf_counter()
-    state = pre(*pre_args)
-    jax.block_until_ready(state)
-    prefill_s = time.perf_counter() - t0
-    decode_s, done = 0.0, False
-    while not done:
-        t0 = time.perf_counter()
-        state = run(params, state)
-        done, generated = jax.device_get((jnp.all(state.done), _generated(state, rows)))
-        decode_s += time.perf_counter() - t0
-        if progress is not None:
-            progress(int(generated))
+    run = programs.compile(loop.run_target_steps, (params, pre.out_info), kw, on_compile)
+    compile_s, compiled = time.perf_counter() - t0, programs.compiled - before
+    state, prefill_s, decode_s = _drive(pre, pre_args, lambda st: run(params, st), rows, progress)
     tokens, rounds = _outputs(state, rows)
     return DecodeOutput(tokens, None, rounds, prefill_s, decode_s, compile_s, compiled)

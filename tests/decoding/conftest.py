@@ -13,11 +13,10 @@ import pytest
 from tiny_decoding import CONFIG, MAX_NEW, PROMPTS, WIDTH, random_model
 
 from jaxcert import decoding
-from jaxcert.decoding import api
 
 # Compilation dominates these tests (tiny models, a dozen decoder configurations) and LLVM's
 # optimisations buy nothing at this size: -O0 halves the decoders' compile time.
-api.COMPILER_OPTIONS["xla_backend_optimization_level"] = 0
+decoding.default_programs().compiler_options["xla_backend_optimization_level"] = 0
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ from tiny_decoding import MAX_NEW, PROMPTS, WIDTH
 
 from jaxcert import decoding
 from jaxcert.base.prompts import pad_prompts
-from jaxcert.decoding import api, loop
+from jaxcert.decoding import loop
 from jaxcert.decoding.config import Sizes
 from jaxcert.decoding.state import Settings
 from jaxcert.models import KVCache, forward
@@ -56,8 +56,10 @@ def test_no_stale_cache_entries_after_rejections(target, drafters, verify, kw):
     graphs = dict(t_graph=t_graph, d_graph=d_graph)
     settings = Settings.create(MAX_NEW, 0.0, 1.0, ())
     args = (t_params, d_params, prompt, lengths, policy, jax.random.key(0), settings)
-    pre = api._compile(loop.prefill, args, graphs | dict(config=static, sizes=sizes))
-    run = api._compile(
+    pre = decoding.default_programs().compile(
+        loop.prefill, args, graphs | dict(config=static, sizes=sizes)
+    )
+    run = decoding.default_programs().compile(
         loop.run_rounds, (t_params, d_params, pre.out_info, policy), graphs | dict(config=static)
     )
     state = pre(*args)

@@ -4,29 +4,12 @@ import json
 import pathlib
 import sys
 
-import numpy as np
 import pytest
-from flax import nnx
-from tiny_decoding import CONFIG, random_model
+from tiny_decoding import CONFIG, random_model, write_gguf
 
 from jaxcert import cli
-from jaxcert.models._weights import hf_layout
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "models"))
-import tiny_models  # noqa: E402
-
-
-def _write_gguf(model, path):
-    """The model's weights under Hugging Face names, written as an f32 GGUF."""
-    pure = nnx.to_pure_dict(nnx.split(model)[1])
-    tensors = {}
-    for name, (state_path, _) in hf_layout(model.config).items():
-        value = pure
-        for key in state_path:
-            value = value[key]
-        value = np.asarray(value)
-        tensors[name] = value if state_path == ("embedding",) or value.ndim != 2 else value.T
-    return tiny_models.write_gguf(path, model.config, tensors)
 
 
 @pytest.fixture(scope="module")
@@ -37,10 +20,10 @@ def files(tmp_path_factory, target, drafters):
     small = CONFIG.__class__(**{**CONFIG.__dict__, "vocab_size": 44})
     short = CONFIG.__class__(**{**CONFIG.__dict__, "max_position_embeddings": 16})
     return {
-        "short": _write_gguf(random_model(short, seed=6), root / "short.gguf"),
-        "target": _write_gguf(target, root / "target.gguf"),
-        "drafter": _write_gguf(drafters["similar"], root / "drafter.gguf"),
-        "small": _write_gguf(random_model(small, seed=5), root / "small.gguf"),
+        "short": write_gguf(random_model(short, seed=6), root / "short.gguf"),
+        "target": write_gguf(target, root / "target.gguf"),
+        "drafter": write_gguf(drafters["similar"], root / "drafter.gguf"),
+        "small": write_gguf(random_model(small, seed=5), root / "small.gguf"),
         "prompts": prompts,
         "root": root,
     }

@@ -7,32 +7,15 @@ import json
 import shutil
 import time
 
-import numpy as np
 import pytest
 import tiny_lm
-import tiny_models
-from flax import nnx
-from tiny_decoding import CONFIG, random_model
+from tiny_decoding import CONFIG, random_model, write_gguf
 
 from jaxcert import cli, decoding, models
 from jaxcert.cli import decode as decode_cli
 from jaxcert.decoding import run_report
 from jaxcert.models import gguf as gguf_loader
 from jaxcert.models import hf as hf_loader
-from jaxcert.models._weights import hf_layout
-
-
-def _write_gguf(model, path):
-    """The model's weights under Hugging Face names, written as an f32 GGUF."""
-    pure = nnx.to_pure_dict(nnx.split(model)[1])
-    tensors = {}
-    for name, (state_path, _) in hf_layout(model.config).items():
-        value = pure
-        for key in state_path:
-            value = value[key]
-        value = np.asarray(value)
-        tensors[name] = value if state_path == ("embedding",) or value.ndim != 2 else value.T
-    return tiny_models.write_gguf(path, model.config, tensors)
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +30,9 @@ def files(tmp_path_factory, target, drafters):
     config = json.loads((hf_small / "config.json").read_text())
     (hf_small / "config.json").write_text(json.dumps(config | {"vocab_size": 44}))
     return {
-        "target": _write_gguf(target, root / "target.gguf"),
-        "drafter": _write_gguf(drafters["similar"], root / "drafter.gguf"),
-        "small": _write_gguf(random_model(small, seed=5), root / "small.gguf"),
+        "target": write_gguf(target, root / "target.gguf"),
+        "drafter": write_gguf(drafters["similar"], root / "drafter.gguf"),
+        "small": write_gguf(random_model(small, seed=5), root / "small.gguf"),
         "hf-target": hf_target,
         "hf-small": hf_small,  # its weights do not fit its config: only the config is read
         "prompts": prompts,

@@ -23,9 +23,10 @@ def qwen():
 def test_greedy_speculative_equals_target_on_a_real_vocabulary(qwen, monkeypatch):
     """151,936 logits (padding ids included), a self-speculative drafter, one chat prompt."""
     from jaxcert import models
-    from jaxcert.decoding import api
 
-    monkeypatch.setattr(api, "COMPILER_OPTIONS", {})  # optimised code for a real model
+    monkeypatch.setattr(
+        decoding.default_programs(), "compiler_options", {}
+    )  # optimised code for a real model
 
     lm, prompt = qwen
     drafter = models.truncate(lm.model, 12)  # the target's first 12 of 24 layers

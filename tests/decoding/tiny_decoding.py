@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import tiny_models
 from flax import nnx
 from tiny_models import tiny_config
 
 from jaxcert.models import ModelConfig
+from jaxcert.models._weights import hf_layout
 from jaxcert.models.transformer import Transformer
 
 CONFIG = tiny_config(vocab_size=48)
@@ -37,3 +40,16 @@ def random_model(config: ModelConfig, seed: int, noise_of: Transformer | None = 
         else:
             new.append(0.2 * noise)
     return nnx.merge(graphdef, jax.tree.unflatten(treedef, new))
+
+
+def write_gguf(model, path):
+    """The model's weights under Hugging Face names, written as an f32 GGUF."""
+    pure = nnx.to_pure_dict(nnx.split(model)[1])
+    tensors = {}
+    for name, (state_path, _) in hf_layout(model.config).items():
+        value = pure
+        for key in state_path:
+            value = value[key]
+        value = np.asarray(value)
+        tensors[name] = value if state_path == ("embedding",) or value.ndim != 2 else value.T
+    return tiny_models.write_gguf(path, model.config, tensors)
