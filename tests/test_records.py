@@ -277,6 +277,11 @@ def test_spellings_that_may_stand_for_several_tokens_never_overstate():
                 assert cols[f"cert_{rule.spec}"][0] == pytest.approx(want, rel=1e-5), (i, rule)
     got = records.parse_logprob_records([cases[1][0]])
     assert got.counts.ambiguous_cuts == 1 and np.allclose(got.logprobs, [[log(0.4), log(0.2)]])
+    # Two such doubts: the window ends at the first (the higher) one, not at the last,
+    # which kept 0.1 as the third value where a second 0.2 may stand.
+    twice = chat(("a", 0.4), [("a", 0.4), (f, 0.2), (f, 0.2), ("c", 0.1), (f, 0.05), (f, 0.05)])
+    got = records.parse_logprob_records([twice])
+    assert got.counts.ambiguous_cuts == 1 and np.allclose(got.logprobs, [[log(0.4), log(0.2)]])
     nan_prob = {"completion_probabilities": [{"content": "a", "probs": [
         {"tok_str": "a", "prob": 0.4}, {"tok_str": "b", "prob": float("nan")},
         {"tok_str": "c", "prob": 0.2}]}]}  # fmt: skip

@@ -47,7 +47,7 @@ import numpy as np
 from jaxcert.core import rules as rules_lib
 from jaxcert.core import solver
 from jaxcert.core import stats as stats_lib
-from jaxcert.pipeline.records import read_logprob_records
+from jaxcert.pipeline.records import LOGPROB_TOLERANCE, read_logprob_records
 from jaxcert.pipeline.report import rule_column
 
 __all__ = [
@@ -59,8 +59,6 @@ __all__ = [
     "read_logprob_records",
     "stack_generate_logits",
 ]
-
-_LOGPROB_TOLERANCE = 1e-3  # log-probabilities may exceed 0 by float rounding of engines
 
 
 def determined_column(rule) -> str:
@@ -325,7 +323,7 @@ def certify_top_logprobs(
     raw = np.exp(x)
     x = np.minimum(x, 0.0)
     p = np.exp(x)
-    bad = (raw[:, 0] > np.exp(_LOGPROB_TOLERANCE)) | (raw.sum(-1) > 1 + _LOGPROB_TOLERANCE)
+    bad = (raw[:, 0] > np.exp(LOGPROB_TOLERANCE)) | (raw.sum(-1) > 1 + LOGPROB_TOLERANCE)
     if bad.any():
         raise ValueError(
             f"row {int(np.flatnonzero(bad)[0])}: these are not log-probabilities (a value "

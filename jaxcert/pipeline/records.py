@@ -61,6 +61,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 __all__ = [
+    "LOGPROB_TOLERANCE",
     "SENTINEL_LOGPROB",
     "LogprobRecords",
     "RecordCounts",
@@ -71,7 +72,7 @@ __all__ = [
 
 SENTINEL_LOGPROB = -9999.0  # at or below: "not in the top list" (OpenAI), "-inf" (vLLM)
 _MASS_TOLERANCE = 1e-5  # engines' float32 log-probabilities sum to 1 within ~1e-6
-_LOGPROB_TOLERANCE = 1e-3  # a log-probability may exceed 0 by engines' float rounding
+LOGPROB_TOLERANCE = 1e-3  # a log-probability may exceed 0 by engines' float rounding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,33 +324,28 @@ def top_window(
     if not entries or any(e.logprob is None or math.isnan(e.logprob) for e in entries):
         counts.missing_positions += 1
         return None
-    if any(e.logprob > _LOGPROB_TOLERANCE for e in entries):
+    if any(e.logprob > LOGPROB_TOLERANCE for e in entries):
         worst = max(e.logprob for e in entries)
         raise ValueError(
             f"a log-probability above 0 ({worst:g}): pass the engine's logprobs, not logits"
         )
     kept: list[_Entry] = []
-    cut = math.inf  # entries below this value are not surely the next ones (a doubt below)
     for e in sorted(entries, key=lambda e: -e.logprob):  # stable: listed order among equals
         if e.logprob <= SENTINEL_LOGPROB:
             counts.sentinel_entries += 1
             continue
-        twin = next((k for k in kept if k.same_token(e) and k.logprob == e.logprob), None)
-        if twin is not None:
-            if _ambiguous(e, entries):
-                # The same spelling and value twice: a repeated entry, or a tie of two
-                # tokens spelt alike. Either way one copy of the value is the next entry;
-                # what follows it is not known.
-                counts.ambiguous_cuts += 1
-                cut = min(cut, e.logprob)
-            else:
+        if any(k.same_token(e) and k.logprob == e.logprob for k in kept):
+            if not _ambiguous(e, entries):
                 counts.duplicates_removed += 1
-            continue
+                continue
+            # The same spelling and value twice: a repeated entry, or a tie of two tokens
+            # spelt alike. Either way one copy of the value is the next entry; what follows
+            # it is not known, so the window ends here.
+            counts.ambiguous_cuts += 1
+            break
         if e.id is not None and any(k.id == e.id for k in kept):
             raise ValueError(f"token id {e.id} is listed with two different log-probabilities")
         kept.append(e)
-    if cut < math.inf:
-        kept = [k for k in kept if k.logprob >= cut]
     if sampled is not None and kept:
         s = _listed_sampled(kept, sampled)
         if s is not None:
