@@ -14,6 +14,7 @@ Without ``programs=`` the decoders use :func:`default_programs`, one per process
 from __future__ import annotations
 
 import collections
+import functools
 from collections.abc import Callable, Mapping
 
 import jax
@@ -84,11 +85,7 @@ class Programs:
         return self._programs[key]
 
 
-_DEFAULT: list[Programs] = []
-
-
+@functools.cache
 def default_programs() -> Programs:
     """The process's :class:`Programs`, used when a decoder call is given none."""
-    if not _DEFAULT:
-        _DEFAULT.append(Programs())
-    return _DEFAULT[0]
+    return Programs()
