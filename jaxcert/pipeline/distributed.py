@@ -20,6 +20,7 @@ Launching ``N`` processes (each runs the same command):
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import time
 
@@ -214,7 +215,7 @@ def _rendezvous(coordinator: str, num_processes: int, process_id: int, timeout_s
                 ("", int(port)), family=socket.AF_INET6, dualstack_ipv6=True
             )
         except (OSError, ValueError) as err:
-            if getattr(err, "errno", None) == 98:  # EADDRINUSE
+            if getattr(err, "errno", None) == errno.EADDRINUSE:
                 raise
             server = socket.create_server(("", int(port)))
     except OSError as err:
