@@ -19,6 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax import lax
 from jax.sharding import Mesh
 from jax.typing import ArrayLike
 
@@ -142,6 +143,37 @@ class KVCache:
             keys=tuple(move(k) for k in self.keys),
             values=tuple(move(v) for v in self.values),
             length=self.length + count,
+        )
+
+    def repeat(self, times: int) -> KVCache:
+        """Each row `times` times in a row: `[B, ...]` -> `[B * times, ...]` (row b becomes rows
+        `b * times .. b * times + times - 1`)."""
+        rep = lambda x: jnp.repeat(x, times, axis=0)  # noqa: E731
+        return jax.tree.map(rep, self)
+
+    def take_rows(self, rows: ArrayLike) -> KVCache:
+        """The rows `rows` (`[B']` int32 indices into `[0, B)`), in that order."""
+        rows = jnp.asarray(rows, jnp.int32)
+        return jax.tree.map(lambda x: x[rows], self)
+
+    def copy_segments(self, src: ArrayLike, start: ArrayLike, width: int) -> KVCache:
+        """Row r's slots `[start[r], start[r] + width)` become row `src[r]`'s same slots.
+
+        Args:
+          src: `[B]` int32 source rows (all reads happen before any write).
+          start: `[B]` int32 first slot of each row's segment (`start + width <= S`).
+          width: static segment length in slots.
+        """
+        src = jnp.asarray(src, jnp.int32)
+        start = self._per_row(start, "start")
+        take = jax.vmap(lambda x, s: lax.dynamic_slice_in_dim(x, s, width, axis=1))
+        put = jax.vmap(lambda x, r, s: lax.dynamic_update_slice_in_dim(x, r, s, axis=1))
+
+        def move(buf: jax.Array) -> jax.Array:  # [B, G, S, D]
+            return put(buf, take(buf, start)[src], start)
+
+        return self.replace(
+            keys=tuple(move(k) for k in self.keys), values=tuple(move(v) for v in self.values)
         )
 
     def _per_row(self, x: ArrayLike, name: str) -> jax.Array:

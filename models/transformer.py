@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax import lax
+from jax.sharding import Mesh
 
 from jaxcert.models.cache import KVCache
 from jaxcert.models.config import ModelConfig
@@ -242,6 +243,17 @@ class Transformer(nnx.Module):
         self.config = config
         self.dtype = dtype
         self.layout: Layout | None = None
+
+    def init_cache(self, batch_size: int, max_length: int, *, mesh: Mesh | None = None) -> KVCache:
+        """An empty `KVCache` of B = `batch_size` rows and S = `max_length` slots for this model.
+
+        Buffers are in the compute dtype; `mesh` places them on their shards (see
+        `KVCache.create`).
+
+        Raises:
+          ValueError: non-positive `batch_size` or `max_length`.
+        """
+        return KVCache.create(self.config, batch_size, max_length, dtype=self.dtype, mesh=mesh)
 
     def __call__(
         self,

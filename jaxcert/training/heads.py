@@ -45,6 +45,10 @@ class HeadedDrafter(nnx.Module):
         self.config = base.config
         self.dtype = base.dtype
 
+    def init_cache(self, batch_size: int, max_length: int, **kwargs) -> KVCache:
+        """The base model's empty cache (see ``models.Transformer.init_cache``)."""
+        return self.base.init_cache(batch_size, max_length, **kwargs)
+
     def features(self, tokens: jax.Array, cache: KVCache, **kwargs) -> tuple[jax.Array, KVCache]:
         hidden, cache = self.base.features(tokens, cache, **kwargs)
         return self.head(hidden), cache
