@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pyarrow as pa
 
+from jaxcert.base.tables import markdown_table
 from jaxcert.core import bounds
 
 if TYPE_CHECKING:  # matplotlib is imported by the plotting functions only
@@ -110,22 +111,6 @@ def run_lengths(
             row[f"eps={budget:g}"] = float(runs[e][mask].mean()) if mask.any() else math.nan
         out.append(row)
     return out
-
-
-def markdown_table(rows: Sequence[dict], digits: int = 3) -> str:
-    """Renders dict rows as a GitHub markdown table."""
-    if not rows:
-        return ""
-    keys = list(rows[0])
-
-    def cell(v):
-        if isinstance(v, float):
-            return "inf" if math.isinf(v) else f"{v:.{digits}f}"
-        return str(v)
-
-    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    lines += ["| " + " | ".join(cell(r[k]) for k in keys) + " |" for r in rows]
-    return "\n".join(lines)
 
 
 def _values(table: pa.Table, name: str) -> np.ndarray:

@@ -1,0 +1,29 @@
+"""Markdown tables of dict rows, for every report that prints one."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+__all__ = ["markdown_table"]
+
+
+def markdown_table(rows: Sequence[dict], digits: int = 3) -> str:
+    """Renders dict rows as a GitHub markdown table.
+
+    The first row's keys are the columns. A float cell is written with ``digits`` decimals
+    (``inf`` as ``inf``); any other cell as ``str`` (pass a string to format it yourself).
+    No rows: an empty string.
+    """
+    if not rows:
+        return ""
+    keys = list(rows[0])
+
+    def cell(v):
+        if isinstance(v, float):
+            return "inf" if math.isinf(v) else f"{v:.{digits}f}"
+        return str(v)
+
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(cell(r[k]) for k in keys) + " |" for r in rows]
+    return "\n".join(lines)
