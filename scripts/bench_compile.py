@@ -68,8 +68,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     options = dict(opt.split("=", 1) for opt in args.xla_option)
 
-    t_graph, t_params = _abstract(args.target, args.target_layers)
-    d_graph, d_params = _abstract(args.drafter, args.drafter_layers)
+    t_graphdef, t_params = _abstract(args.target, args.target_layers)
+    d_graphdef, d_params = _abstract(args.drafter, args.drafter_layers)
     b, w = args.batch, args.prompt_width
     prompt = jnp.zeros((b, w), jnp.int32)
     lengths = jnp.full((b,), w // 2, jnp.int32)
@@ -80,11 +80,11 @@ def main(argv=None) -> int:
     if not args.no_target_only:
         sizes = config_lib.Sizes.for_prompts(w, None, config_lib.bucket(args.max_new_tokens))
         lo1, c1, pre = _timed(
-            loop.prefill_target, options, t_params, prompt, lengths, key, settings, graph=t_graph,
-            sizes=sizes,
+            loop.prefill_target, options, t_params, prompt, lengths, key, settings,
+            graphdef=t_graphdef, sizes=sizes,
         )  # fmt: skip
         lo2, c2, _ = _timed(
-            loop.run_target_steps, options, t_params, pre.out_info, graph=t_graph, steps=16,
+            loop.run_target_steps, options, t_params, pre.out_info, graphdef=t_graphdef, steps=16,
             sampling=False,
         )  # fmt: skip
         rows.append(dict(shape="target-only", lower_s=lo1 + lo2, compile_s=c1 + c2))
@@ -100,13 +100,13 @@ def main(argv=None) -> int:
             collect_stats=not args.no_stats,
         ).shape_only()
         sizes = config_lib.Sizes.for_prompts(w, cfg, config_lib.bucket(args.max_new_tokens))
-        graphs = dict(t_graph=t_graph, d_graph=d_graph, config=cfg)
+        graphdefs = dict(t_graphdef=t_graphdef, d_graphdef=d_graphdef, config=cfg)
         lo1, c1, pre = _timed(
             loop.prefill, options, t_params, d_params, prompt, lengths, params, key, settings,
-            sizes=sizes, **graphs,
+            sizes=sizes, **graphdefs,
         )  # fmt: skip
         lo2, c2, _ = _timed(
-            loop.run_rounds, options, t_params, d_params, pre.out_info, params, **graphs
+            loop.run_rounds, options, t_params, d_params, pre.out_info, params, **graphdefs
         )
         rows.append(
             dict(

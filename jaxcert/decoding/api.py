@@ -76,7 +76,8 @@ def split_model(model) -> tuple[nnx.GraphDef, nnx.State]:
     if not isinstance(module, nnx.Module):
         raise ValueError(f"expected a models.LoadedModel or an nnx.Module, got {type(model)}")
     if not isinstance(module, DecoderModel):
-        missing = [a for a in ("config", "dtype", "features", "project") if not hasattr(module, a)]
+        surface = ("config", "init_cache", "features", "project", "__call__")
+        missing = [a for a in surface if not hasattr(module, a)]
         raise ValueError(
             f"{type(module).__name__} lacks {', '.join(missing)}: a target or drafter needs the "
             "jaxcert.decoding.protocols.DecoderModel surface"
@@ -261,8 +262,8 @@ def speculative_decode(
         config.max_new_tokens, config.depth,
     )  # fmt: skip
     (target, drafter), placement = _on_mesh((target, drafter), mesh)
-    t_graph, t_params = split_model(target)
-    d_graph, d_params = split_model(drafter)
+    t_graphdef, t_params = split_model(target)
+    d_graphdef, d_params = split_model(drafter)
     prompt, lengths = _padded(prompts, width, 2, vocab_size, placement)
     key = jax.random.key(0) if key is None else key
     static = config.shape_only()  # budget, end tokens, temperature and top-p are traced
@@ -270,24 +271,24 @@ def speculative_decode(
     settings = Settings.create(
         config.max_new_tokens, config.temperature, config.top_p, config.eos_ids
     )
-    params = policies_lib.PolicyParams.from_policy(policy)
+    policy_params = policies_lib.PolicyParams.from_policy(policy)
     if isinstance(config.tree, loop.tree_lib.Chain) and policy.k_max > config.max_draft:
-        params = params.replace(k_max=jnp.asarray(config.max_draft, jnp.int32))
-    params, key, settings = _replicated((params, key, settings), placement)
+        policy_params = policy_params.replace(k_max=jnp.asarray(config.max_draft, jnp.int32))
+    policy_params, key, settings = _replicated((policy_params, key, settings), placement)
     programs = default_programs() if programs is None else programs
     t0, before = time.perf_counter(), programs.compiled
-    graphs = {"t_graph": t_graph, "d_graph": d_graph}
-    pre_args = (t_params, d_params, prompt, lengths, params, key, settings)
+    graphdefs = {"t_graphdef": t_graphdef, "d_graphdef": d_graphdef}
+    pre_args = (t_params, d_params, prompt, lengths, policy_params, key, settings)
     pre = programs.compile(
-        loop.prefill, pre_args, graphs | {"config": static, "sizes": sizes}, on_compile
+        loop.prefill, pre_args, graphdefs | {"config": static, "sizes": sizes}, on_compile
     )
-    run_args = (t_params, d_params, pre.out_info, params)
-    run = programs.compile(loop.run_rounds, run_args, graphs | {"config": static}, on_compile)
+    run_args = (t_params, d_params, pre.out_info, policy_params)
+    run = programs.compile(loop.run_rounds, run_args, graphdefs | {"config": static}, on_compile)
     compile_s, compiled = time.perf_counter() - t0, programs.compiled - before
     chunks: list = []
 
     def call(state):
-        state, stats = run(t_params, d_params, state, params)
+        state, stats = run(t_params, d_params, state, policy_params)
         chunks.append(jax.device_get(stats))
         return state
 
@@ -309,7 +310,7 @@ def target_decode(
     eos_ids: tuple[int, ...] = (),
     key: jax.Array | None = None,
     prompt_width: int | None = None,
-    steps_per_call: int = 16,
+    rounds_per_call: int = 16,
     progress: Callable[[int], None] | None = None,
     mesh: jax.sharding.Mesh | None = None,
     on_compile: Callable[[str], None] | None = None,
@@ -334,7 +335,7 @@ def target_decode(
     )
     settings = Settings.create(max_new_tokens, temperature, top_p, eos_ids)
     (target,), placement = _on_mesh((target,), mesh)
-    graph, params = split_model(target)
+    graphdef, params = split_model(target)
     prompt, lengths = _padded(prompts, width, 1, vocab_size, placement)
     key = jax.random.key(0) if key is None else key
     key, settings = _replicated((key, settings), placement)
@@ -343,9 +344,9 @@ def target_decode(
     t0, before = time.perf_counter(), programs.compiled
     pre_args = (params, prompt, lengths, key, settings)
     pre = programs.compile(
-        loop.prefill_target, pre_args, {"graph": graph, "sizes": sizes}, on_compile
+        loop.prefill_target, pre_args, {"graphdef": graphdef, "sizes": sizes}, on_compile
     )
-    kw = dict(graph=graph, steps=steps_per_call, sampling=temperature > 0)
+    kw = dict(graphdef=graphdef, steps=rounds_per_call, sampling=temperature > 0)
     run = programs.compile(loop.run_target_steps, (params, pre.out_info), kw, on_compile)
     compile_s, compiled = time.perf_counter() - t0, programs.compiled - before
     state, prefill_s, decode_s = _drive(pre, pre_args, lambda st: run(params, st), rows, progress)

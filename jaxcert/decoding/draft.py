@@ -7,9 +7,10 @@ row, so branches of one row cannot share a cache row). All virtual rows of a row
 committed prefix. Dynamic trees re-point a frontier slot to another parent by copying that
 parent's row segment (``K`` slots) before the step.
 
-Step 0 re-reads ``s[drafter_start:n)`` (static width ``W``) on one virtual row per row, copies
-it to the others, and projects only the last real position through the lm-head. Then, while a
-row's policy says continue, the frontier (depth ``d`` nodes) is fed and its children drafted.
+Step 0 re-reads ``s[drafter_start:n)`` (static width ``DecodeConfig.reread``) on one
+virtual row per row, copies it to the others, and projects only the last real position
+through the lm-head. Then, while a row's policy says continue, the frontier (depth ``d``
+nodes) is fed and its children drafted.
 """
 
 from __future__ import annotations
@@ -21,35 +22,12 @@ from jax import lax
 
 from jaxcert.decoding import policies as policies_lib
 from jaxcert.decoding import tree as tree_lib
+from jaxcert.decoding.protocols import Cache
 from jaxcert.decoding.state import DraftTree, PolicyState
 from jaxcert.decoding.verify import sampling_log_probs
-from jaxcert.models.cache import KVCache
 from jaxcert.models.transformer import forward as _forward
 
 __all__ = ["draft"]
-
-
-def _repeat(cache: KVCache, m: int) -> KVCache:
-    rep = lambda x: jnp.repeat(x, m, axis=0)  # noqa: E731
-    return KVCache(
-        keys=tuple(rep(k) for k in cache.keys),
-        values=tuple(rep(v) for v in cache.values),
-        length=rep(cache.length),
-    )
-
-
-def _copy_segments(cache: KVCache, src: jax.Array, start: jax.Array, width: int) -> KVCache:
-    """Row ``r`` gets row ``src[r]``'s slots ``[start[r], start[r] + width)``."""
-
-    def move(buf):  # [BM, G, S, D]
-        take = jax.vmap(lambda x, s: lax.dynamic_slice_in_dim(x, s, width, axis=1))
-        region = take(buf, start)[src]
-        put = jax.vmap(lambda x, r, s: lax.dynamic_update_slice_in_dim(x, r, s, axis=1))
-        return put(buf, region, start)
-
-    return cache.replace(
-        keys=tuple(move(k) for k in cache.keys), values=tuple(move(v) for v in cache.values)
-    )
 
 
 def _reread(graphdef, params, cache, tokens, start, length, width, m):
@@ -61,8 +39,8 @@ def _reread(graphdef, params, cache, tokens, start, length, width, m):
     """
     model = nnx.merge(graphdef, params)
     count = length - start
-    if m > 1:
-        cache = jax.tree.map(lambda x: x[::m], cache)
+    if m > 1:  # one virtual row per row reads; the others get copies
+        cache = cache.take_rows(jnp.arange(tokens.shape[0], dtype=jnp.int32) * m)
     cache = cache.rollback(start)
 
     def read(w):
@@ -78,7 +56,7 @@ def _reread(graphdef, params, cache, tokens, start, length, width, m):
     else:
         last, cache = read(1)(cache)
     cache = cache.commit(count)
-    return model.project(last), (_repeat(cache, m) if m > 1 else cache)
+    return model.project(last), (cache.repeat(m) if m > 1 else cache)
 
 
 def _first_children(key, q_root, m, sampling, temperature, top_p):
@@ -105,11 +83,13 @@ def _next_token(key, q, sampling, temperature, top_p):
     return tok, jnp.take_along_axis(logq, tok[..., None], axis=-1)[..., 0]
 
 
-def _init_nodes(q_root, tok, logq, valid, m, max_depth, dynamic):
+def _init_nodes(q_root, tok, logq, valid, shape, max_depth):
     """Node buffers holding the root's children, and the ``[B, X, V]`` drafter-logit buffer."""
     b, v = q_root.shape
+    m = tok.shape[1]
+    dynamic = isinstance(shape, tree_lib.DynamicTree)
     q_buf = jnp.zeros((b, 1 + (max_depth - 1) * m, v), jnp.float32).at[:, 0].set(q_root)
-    pool = m + (max_depth - 1) * m * m if dynamic else m * max_depth
+    pool = shape.pool_size if dynamic else m * max_depth
     nodes = {
         "tokens": jnp.zeros((b, pool), jnp.int32).at[:, :m].set(tok),
         "valid": jnp.zeros((b, pool), bool).at[:, :m].set(valid),
@@ -166,7 +146,7 @@ def _grow_dynamic(q, frontier, go, nodes, depth):
 def draft(
     graphdef: nnx.GraphDef,
     params: nnx.State,
-    cache: KVCache,
+    cache: Cache,
     *,
     tokens: jax.Array,
     length: jax.Array,
@@ -181,7 +161,7 @@ def draft(
     sampling: bool,
     temperature: float,
     top_p: float,
-) -> tuple[DraftTree, KVCache]:
+) -> tuple[DraftTree, Cache]:
     """Drafts one tree (or chain) per row.
 
     Args:
@@ -192,7 +172,8 @@ def draft(
       limit: ``[B]`` int32 deepest useful depth (the token budget; at least 1).
       policy, policy_state: the draft-length policy.
       key: PRNG key (sampling).
-      shape: chain, static or dynamic tree; ``max_depth`` its depth ``K``; ``width`` ``W``.
+      shape: chain, static or dynamic tree; ``max_depth`` its depth ``K``.
+      width: the static re-read width (``DecodeConfig.reread``).
       sampling, temperature, top_p: draw instead of taking the drafter's top choices.
 
     Returns:
@@ -205,7 +186,7 @@ def draft(
     q_root, cache = _reread(graphdef, params, cache, tokens, start, length, width, m)
     key, sub = jax.random.split(key)
     tok, logq, valid = _first_children(sub, q_root, m, sampling, temperature, top_p)
-    q_buf, nodes = _init_nodes(q_root, tok, logq, valid, m, max_depth, dynamic)
+    q_buf, nodes = _init_nodes(q_root, tok, logq, valid, shape, max_depth)
     one = jnp.ones((b,), jnp.int32)
     feats = policies_lib.drafter_features(q_root)
     cont, survival = policies_lib.should_continue(
@@ -222,7 +203,7 @@ def draft(
         depth, cont, survival, frontier, parent_slot, nodes, q_buf, cache, key = carry
         if dynamic:  # each frontier slot's row takes its parent's ancestors
             src = (rows[:, None] * m + parent_slot).reshape(-1)
-            cache = _copy_segments(cache, src, seg_start, max_depth)
+            cache = cache.copy_segments(src, seg_start, max_depth)
         logits, cache = _forward(graphdef, params, frontier[0].reshape(b * m, 1), cache)
         cache = cache.commit(1)
         q = logits[:, 0].reshape(b, m, -1)

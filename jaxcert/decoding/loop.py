@@ -27,9 +27,9 @@ from jaxcert.decoding import policies as policies_lib
 from jaxcert.decoding import tree as tree_lib
 from jaxcert.decoding.config import DecodeConfig, Sizes
 from jaxcert.decoding.draft import draft
+from jaxcert.decoding.protocols import Cache
 from jaxcert.decoding.state import DecodeState, RoundStats, Settings
 from jaxcert.decoding.verify import in_accepted_set, sample_tree, sampling_log_probs
-from jaxcert.models.cache import KVCache
 from jaxcert.models.transformer import decode_step
 from jaxcert.models.transformer import forward as _forward
 
@@ -41,17 +41,32 @@ __all__ = [
 ]
 
 
-def _new_cache(graph, params, batch, slots) -> KVCache:
-    model = nnx.merge(graph, params)
-    return KVCache.create(model.config, batch, slots, dtype=model.dtype)
+def _read_prompt(graphdef, params, prompt, slots) -> Cache:
+    """The model's own cache with the ``[B, T]`` prompt read into it (nothing committed)."""
+    cache = nnx.merge(graphdef, params).init_cache(prompt.shape[0], slots)
+    return _forward(graphdef, params, prompt, cache)[1]
 
 
-def _sequence(prompt, sizes):
-    b, w = prompt.shape
-    return jnp.full((b, sizes.sequence), DecodeState.PAD, jnp.int32).at[:, :w].set(prompt)
+def _initial_state(prompt, lengths, key, settings, sizes, target_cache, drafter_cache, policy):
+    """The :class:`DecodeState` after prefill (the target has read all but the last token)."""
+    b, t = prompt.shape
+    tokens = jnp.full((b, sizes.sequence), DecodeState.PAD, jnp.int32).at[:, :t].set(prompt)
+    return DecodeState(
+        tokens=tokens,
+        length=lengths,
+        prompt_length=lengths,
+        done=jnp.zeros((b,), bool),
+        drafter_start=lengths - 2,
+        target_cache=target_cache.commit(lengths - 1),
+        drafter_cache=drafter_cache,
+        policy=policy,
+        key=key,
+        rounds=jnp.zeros((b,), jnp.int32),
+        settings=settings,
+    )
 
 
-@functools.partial(jax.jit, static_argnames=("t_graph", "d_graph", "config", "sizes"))
+@functools.partial(jax.jit, static_argnames=("t_graphdef", "d_graphdef", "config", "sizes"))
 def prefill(
     t_params: nnx.State,
     d_params: nnx.State,
@@ -61,8 +76,8 @@ def prefill(
     key: jax.Array,
     settings: Settings,
     *,
-    t_graph: nnx.GraphDef,
-    d_graph: nnx.GraphDef,
+    t_graphdef: nnx.GraphDef,
+    d_graphdef: nnx.GraphDef,
     config: DecodeConfig,
     sizes: Sizes,
 ) -> DecodeState:
@@ -70,38 +85,23 @@ def prefill(
 
     Args:
       t_params, d_params: target and drafter parameters (``nnx.split``).
-      prompt: ``[B, W]`` int32 right-padded prompts; ``lengths`` ``[B]`` their lengths (>= 2).
+      prompt: ``[B, T]`` int32 right-padded prompts; ``lengths`` ``[B]`` their lengths (>= 2).
       policy: :class:`~jaxcert.decoding.policies.PolicyParams`.
       key: PRNG key.
       settings: the traced :class:`~jaxcert.decoding.state.Settings` (budget, end tokens,
         temperature, top-p); ``config``'s own values of these are not read.
-      t_graph, d_graph: their graph definitions (static).
+      t_graphdef, d_graphdef: their graph definitions (static).
       config: :class:`~jaxcert.decoding.config.DecodeConfig` (its shapes and rule); sizes:
         :class:`~jaxcert.decoding.config.Sizes`.
 
     Returns:
       The initial :class:`DecodeState`.
     """
-    b = prompt.shape[0]
-    t_cache = _new_cache(t_graph, t_params, b, sizes.target)
-    _, t_cache = _forward(t_graph, t_params, prompt, t_cache)
-    d_cache = _new_cache(d_graph, d_params, b, sizes.drafter)
-    _, d_cache = _forward(d_graph, d_params, prompt, d_cache)
-    m = config.branching
-    d_cache = jax.tree.map(lambda x: jnp.repeat(x, m, axis=0), d_cache.commit(lengths - 2))
-    return DecodeState(
-        tokens=_sequence(prompt, sizes),
-        length=lengths,
-        prompt_length=lengths,
-        done=jnp.zeros((b,), bool),
-        drafter_start=lengths - 2,
-        target_cache=t_cache.commit(lengths - 1),
-        drafter_cache=d_cache,
-        policy=policies_lib.init_policy_state(policy, b),
-        key=key,
-        rounds=jnp.zeros((b,), jnp.int32),
-        settings=settings,
-    )
+    t_cache = _read_prompt(t_graphdef, t_params, prompt, sizes.target)
+    d_cache = _read_prompt(d_graphdef, d_params, prompt, sizes.drafter)
+    d_cache = d_cache.commit(lengths - 2).repeat(config.branching)
+    policy_state = policies_lib.init_policy_state(policy, prompt.shape[0])
+    return _initial_state(prompt, lengths, key, settings, sizes, t_cache, d_cache, policy_state)
 
 
 def _children(sub: dict, positions: int, m: int):
@@ -116,7 +116,7 @@ def _children(sub: dict, positions: int, m: int):
     return children, expanded
 
 
-def _verify(nb, operands, *, t_graph, config):
+def _verify(nb, operands, *, t_graphdef, config):
     """Target pass over the root and the first ``nb`` nodes, acceptance and node statistics."""
     t_params, cache, tree, tokens, length, key, settings = operands
     v = config.verification
@@ -137,7 +137,7 @@ def _verify(nb, operands, *, t_graph, config):
         mask = jnp.broadcast_to(jnp.asarray(st.mask[: nb + 1, : nb + 1]), (b, nb + 1, nb + 1))
     fwd_mask = None if isinstance(shape, tree_lib.Chain) else mask
     logits, cache = _forward(
-        t_graph, t_params, toks, cache, positions=positions, attention_mask=fwd_mask
+        t_graphdef, t_params, toks, cache, positions=positions, attention_mask=fwd_mask
     )
     if v.sampling:
         children, expanded = _children(sub, nb + 1, config.branching)
@@ -183,13 +183,13 @@ def _verify(nb, operands, *, t_graph, config):
     return cache, accepted, new, offsets, stats_lib.pad_nodes(ns, big_n)
 
 
-def _round(t_graph, t_params, d_graph, d_params, policy, state: DecodeState, config):
+def _round(t_graphdef, t_params, d_graphdef, d_params, policy, state: DecodeState, config):
     key, k_draft, k_verify = jax.random.split(state.key, 3)
     active = ~state.done
     settings = state.settings
     remaining = settings.max_new_tokens - state.generated
     tree, d_cache = draft(
-        d_graph,
+        d_graphdef,
         d_params,
         state.drafter_cache,
         tokens=state.tokens,
@@ -210,7 +210,9 @@ def _round(t_graph, t_params, d_graph, d_params, policy, state: DecodeState, con
     n_eff = jnp.max(jnp.where(used, jnp.arange(1, tree.num_nodes + 1), 0))
     buckets = config.verify_buckets()
     index = jnp.minimum(jnp.searchsorted(jnp.asarray(buckets), n_eff), len(buckets) - 1)
-    branches = [functools.partial(_verify, nb, t_graph=t_graph, config=config) for nb in buckets]
+    branches = [
+        functools.partial(_verify, nb, t_graphdef=t_graphdef, config=config) for nb in buckets
+    ]
     operands = (t_params, state.target_cache, tree, state.tokens, state.length, k_verify, settings)
     verified = lax.switch(index, branches, operands)
     return _commit(state, config, policy, key, tree, d_cache, verified)
@@ -284,7 +286,7 @@ def _commit(state, config, policy, key, tree, d_cache, verified):
 
 
 @functools.partial(
-    jax.jit, static_argnames=("t_graph", "d_graph", "config"), donate_argnames=("state",)
+    jax.jit, static_argnames=("t_graphdef", "d_graphdef", "config"), donate_argnames=("state",)
 )
 def run_rounds(
     t_params: nnx.State,
@@ -292,8 +294,8 @@ def run_rounds(
     state: DecodeState,
     policy: policies_lib.PolicyParams,
     *,
-    t_graph: nnx.GraphDef,
-    d_graph: nnx.GraphDef,
+    t_graphdef: nnx.GraphDef,
+    d_graphdef: nnx.GraphDef,
     config: DecodeConfig,
 ) -> tuple[DecodeState, RoundStats]:
     """Up to ``config.rounds_per_call`` rounds (fewer once every row is done).
@@ -312,7 +314,7 @@ def run_rounds(
 
     def body(carry):
         r, state, buffers = carry
-        state, rs = _round(t_graph, t_params, d_graph, d_params, policy, state, config)
+        state, rs = _round(t_graphdef, t_params, d_graphdef, d_params, policy, state, config)
         buffers = jax.tree.map(lambda buf, x: buf.at[r].set(x), buffers, rs)
         return r + 1, state, buffers
 
@@ -320,7 +322,7 @@ def run_rounds(
     return state, buffers
 
 
-@functools.partial(jax.jit, static_argnames=("graph", "sizes"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "sizes"))
 def prefill_target(
     params: nnx.State,
     prompt: jax.Array,
@@ -328,36 +330,22 @@ def prefill_target(
     key: jax.Array,
     settings: Settings,
     *,
-    graph: nnx.GraphDef,
+    graphdef: nnx.GraphDef,
     sizes: Sizes,
 ) -> DecodeState:
     """Target-only prefill; the state's drafter fields are ``None``."""
-    b = prompt.shape[0]
-    cache = _new_cache(graph, params, b, sizes.target)
-    _, cache = _forward(graph, params, prompt, cache)
-    return DecodeState(
-        tokens=_sequence(prompt, sizes),
-        length=lengths,
-        prompt_length=lengths,
-        done=jnp.zeros((b,), bool),
-        drafter_start=lengths - 2,
-        target_cache=cache.commit(lengths - 1),
-        drafter_cache=None,
-        policy=None,
-        key=key,
-        rounds=jnp.zeros((b,), jnp.int32),
-        settings=settings,
-    )
+    cache = _read_prompt(graphdef, params, prompt, sizes.target)
+    return _initial_state(prompt, lengths, key, settings, sizes, cache, None, None)
 
 
 @functools.partial(
-    jax.jit, static_argnames=("graph", "steps", "sampling"), donate_argnames=("state",)
+    jax.jit, static_argnames=("graphdef", "steps", "sampling"), donate_argnames=("state",)
 )
 def run_target_steps(
     params: nnx.State,
     state: DecodeState,
     *,
-    graph: nnx.GraphDef,
+    graphdef: nnx.GraphDef,
     steps: int,
     sampling: bool,
 ) -> DecodeState:
@@ -376,7 +364,7 @@ def run_target_steps(
         active = ~state.done
         key, sub = jax.random.split(state.key)
         last = state.tokens[rows, state.length - 1]
-        logits, cache = decode_step(graph, params, last, state.target_cache, active)
+        logits, cache = decode_step(graphdef, params, last, state.target_cache, active)
         if sampling:
             lp = sampling_log_probs(logits, settings.temperature, settings.top_p)
             token = jax.random.categorical(sub, lp, axis=-1).astype(jnp.int32)

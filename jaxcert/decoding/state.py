@@ -21,7 +21,7 @@ import jax
 import numpy as np
 from flax import struct
 
-from jaxcert.models.cache import KVCache
+from jaxcert.decoding.protocols import Cache
 
 __all__ = ["DraftTree", "PolicyState", "Settings", "DecodeState", "NodeStats", "RoundStats"]
 
@@ -82,8 +82,7 @@ class Settings:
       max_new_tokens: ``[]`` int32 output budget per row (at most the buffers' capacity).
       temperature: ``[]`` float32 sampling temperature (ignored by deterministic rules).
       top_p: ``[]`` float32 nucleus mass in ``(0, 1]`` (``1``: no truncation).
-      eos_ids: ``[E]`` int32 end tokens, padded with ``-1`` (never a token id) to
-        ``E = MAX_EOS``.
+      eos_ids: ``[MAX_EOS]`` int32 end tokens, padded with ``-1`` (never a token id).
     """
 
     MAX_EOS: ClassVar[int] = 8
@@ -91,7 +90,7 @@ class Settings:
     max_new_tokens: jax.Array  # []
     temperature: jax.Array  # []
     top_p: jax.Array  # []
-    eos_ids: jax.Array  # [E]
+    eos_ids: jax.Array  # [MAX_EOS]
 
     @classmethod
     def create(cls, max_new_tokens: int, temperature: float, top_p: float, eos_ids) -> Settings:
@@ -139,8 +138,8 @@ class DecodeState:
     prompt_length: jax.Array  # [B]
     done: jax.Array  # [B]
     drafter_start: jax.Array  # [B]
-    target_cache: KVCache
-    drafter_cache: KVCache | None
+    target_cache: Cache
+    drafter_cache: Cache | None
     policy: PolicyState | None
     key: jax.Array  # [] PRNG key
     rounds: jax.Array  # [B]

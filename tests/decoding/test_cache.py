@@ -53,14 +53,14 @@ def test_no_stale_cache_entries_after_rejections(target, drafters, verify, kw):
     static = config.shape_only()
     sizes = Sizes.for_prompts(WIDTH, static, decoding.bucket(MAX_NEW))
     policy = decoding.PolicyParams.from_policy(decoding.Constant(k=3))
-    graphs = dict(t_graph=t_graph, d_graph=d_graph)
+    graphdefs = dict(t_graphdef=t_graph, d_graphdef=d_graph)
     settings = Settings.create(MAX_NEW, 0.0, 1.0, ())
     args = (t_params, d_params, prompt, lengths, policy, jax.random.key(0), settings)
     pre = decoding.default_programs().compile(
-        loop.prefill, args, graphs | dict(config=static, sizes=sizes)
+        loop.prefill, args, graphdefs | dict(config=static, sizes=sizes)
     )
     run = decoding.default_programs().compile(
-        loop.run_rounds, (t_params, d_params, pre.out_info, policy), graphs | dict(config=static)
+        loop.run_rounds, (t_params, d_params, pre.out_info, policy), graphdefs | dict(config=static)
     )
     state = pre(*args)
     state, stats = run(t_params, d_params, state, policy)
