@@ -18,7 +18,7 @@ from jaxcert.core import numerics as _numerics
 from jaxcert.core import rules as rules_lib
 from jaxcert.core.solver import certificates
 from jaxcert.training.features import FeatureSet
-from jaxcert.training.heads import DraftHead, project
+from jaxcert.training.heads import DraftHead, LmHead, project
 
 if TYPE_CHECKING:
     from jaxcert.models import LoadedModel
@@ -51,11 +51,68 @@ def chain_acceptance_length(match: np.ndarray, draft_length: int) -> tuple[int, 
     return n, rounds
 
 
+def _metrics(
+    head: DraftHead | None,
+    data: FeatureSet,
+    target_model: LmHead,
+    drafter_model: LmHead,
+    rules: tuple[rules_lib.Rule, ...],
+    k: int,
+    chunk: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(kl [N], certified [N, rules], drafter top-k ids [N, k])`` of every position."""
+    d_graphdef, d_params = nnx.split(drafter_model)
+    t_graphdef, t_params = nnx.split(target_model)
+    h_graphdef, h_params = nnx.split(head) if head is not None else (None, None)
+
+    # Weights are arguments, not closed-over constants: they are gigabytes.
+    @functools.partial(jax.jit, static_argnames=("d_graphdef", "t_graphdef", "h_graphdef"))
+    def metrics(
+        d_graphdef: nnx.GraphDef,
+        d_params: nnx.State,
+        t_graphdef: nnx.GraphDef,
+        t_params: nnx.State,
+        h_graphdef: nnx.GraphDef | None,
+        h_params: nnx.State | None,
+        h_q: jax.Array,
+        h_p: jax.Array,
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        p_logits = project(t_graphdef, t_params, h_p)
+        q_in = h_q if h_graphdef is None else nnx.merge(h_graphdef, h_params)(h_q)
+        q_logits = project(d_graphdef, d_params, q_in)
+        kl = losses.kl_divergence(drafter_logits=q_logits, target_logits=p_logits)
+        certs = certificates(p_logits, rules)
+        certified = jnp.stack([kl < c.value for c in certs], axis=-1)
+        return kl, certified, _numerics.top_k(q_logits, k)[1]
+
+    kls, certs, tops = [], [], []
+    for start in range(0, len(data), chunk):
+        sl = slice(start, start + chunk)
+        kl, certified, q_top = metrics(
+            d_graphdef, d_params, t_graphdef, t_params, h_graphdef, h_params,
+            jnp.asarray(data.drafter_hidden[sl]), jnp.asarray(data.target_hidden[sl]),
+        )  # fmt: skip
+        kls.append(np.asarray(kl))
+        certs.append(np.asarray(certified))
+        tops.append(np.asarray(q_top))
+    return np.concatenate(kls), np.concatenate(certs), np.concatenate(tops)
+
+
+def _offline_acceptance_length(match: np.ndarray, data: FeatureSet, draft_length: int) -> float:
+    """Tokens per round of :func:`chain_acceptance_length` over every prompt of ``data``."""
+    tokens = rounds = 0
+    for prompt in np.unique(data.prompt):
+        order = np.argsort(data.position[data.prompt == prompt])
+        n, r = chain_acceptance_length(match[data.prompt == prompt][order], draft_length)
+        tokens, rounds = tokens + n, rounds + r
+    return tokens / max(rounds, 1)
+
+
 def evaluate(
     head: DraftHead | None,
     data: FeatureSet,
-    target_model: nnx.Module,
-    drafter_model: nnx.Module,
+    target_model: LmHead,
+    drafter_model: LmHead,
     *,
     rules: Sequence[rules_lib.Rule] = (rules_lib.StrictGreedy(), rules_lib.TreeCoverage(4)),
     draft_length: int = 5,
@@ -70,48 +127,19 @@ def evaluate(
       ``acceptance_length`` (tokens per round of exact offline greedy chain decoding
       with ``draft_length`` drafted tokens per round).
     """
-    d_graph, d_state = nnx.split(drafter_model)
-    t_graph, t_state = nnx.split(target_model)
-    h_graph, h_state = nnx.split(head) if head is not None else (None, None)
     rules = tuple(rules)
     tree_sizes = sorted({r.list_size for r in rules if r.list_size > 1})
-    k = max(tree_sizes + [1])
-
-    # Weights are arguments, not closed-over constants: they are gigabytes.
-    @functools.partial(jax.jit, static_argnames=("d_graph", "t_graph", "h_graph"))
-    def metrics(d_graph, d_state, t_graph, t_state, h_graph, h_state, h_q, h_p):
-        p_logits = project(t_graph, t_state, h_p)
-        q_in = h_q if h_graph is None else nnx.merge(h_graph, h_state)(h_q)
-        q_logits = project(d_graph, d_state, q_in)
-        kl = losses.kl_divergence(drafter_logits=q_logits, target_logits=p_logits)
-        certs = certificates(p_logits, rules)
-        certified = jnp.stack([kl < c.value for c in certs], axis=-1)
-        return kl, certified, _numerics.top_k(q_logits, k)[1]
-
-    kls, certs, tops = [], [], []
-    for start in range(0, len(data), chunk):
-        sl = slice(start, start + chunk)
-        kl, certified, q_top = metrics(
-            d_graph, d_state, t_graph, t_state, h_graph, h_state,
-            jnp.asarray(data.drafter_hidden[sl]), jnp.asarray(data.target_hidden[sl]),
-        )  # fmt: skip
-        kls.append(np.asarray(kl))
-        certs.append(np.asarray(certified))
-        tops.append(np.asarray(q_top))
-    kl, certified, top = np.concatenate(kls), np.concatenate(certs), np.concatenate(tops)
+    kl, certified, top = _metrics(
+        head, data, target_model, drafter_model, rules, max(tree_sizes + [1]), chunk
+    )
     match = top[:, 0] == data.token
-    tokens = rounds = 0
-    for prompt in np.unique(data.prompt):
-        order = np.argsort(data.position[data.prompt == prompt])
-        n, r = chain_acceptance_length(match[data.prompt == prompt][order], draft_length)
-        tokens, rounds = tokens + n, rounds + r
-    out = {"positions": len(data), "mean_kl": float(kl.mean())}
+    out: dict[str, float] = {"positions": len(data), "mean_kl": float(kl.mean())}
     for i, rule in enumerate(rules):
         out[f"certified[{rule.spec}]"] = float(certified[:, i].mean())
     out["agreement"] = float(match.mean())
     for m in tree_sizes:
         out[f"top{m}_coverage"] = float(np.mean(np.any(top[:, :m] == data.token[:, None], 1)))
-    out["acceptance_length"] = tokens / max(rounds, 1)
+    out["acceptance_length"] = _offline_acceptance_length(match, data, draft_length)
     return out
 
 
@@ -164,9 +192,11 @@ def decoder_acceptance(
         out = decoding.speculative_decode(
             target, drafter, batch, policy=policy, config=config, prompt_width=width
         )
-        active = np.asarray(out.stats.active)[:, :real]
-        tokens += int(np.asarray(out.stats.emitted)[:, :real][active].sum())
-        accepted += int(np.asarray(out.stats.accepted)[:, :real][active].sum())
+        stats = out.stats
+        assert stats is not None  # a drafter was given: per-round statistics exist
+        active = np.asarray(stats.active)[:, :real]
+        tokens += int(np.asarray(stats.emitted)[:, :real][active].sum())
+        accepted += int(np.asarray(stats.accepted)[:, :real][active].sum())
         rounds += int(active.sum())
     return {
         "decoder_acceptance_length": tokens / max(rounds, 1),

@@ -4,6 +4,7 @@ states at every continuation position, and the target's logits there."""
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -18,7 +19,7 @@ from jaxcert.base.validate import round_up
 from jaxcert.core import rules as rules_lib
 from jaxcert.models import check_same_vocabulary
 from jaxcert.pipeline import engine as certify
-from jaxcert.training.heads import project
+from jaxcert.training.heads import LmHead, project
 
 if TYPE_CHECKING:
     from jaxcert.models import KVCache, LoadedModel
@@ -56,7 +57,18 @@ class FeatureSet:
         return int(self.token.shape[0])
 
     def select(self, mask: np.ndarray) -> FeatureSet:
+        """The rows where ``mask`` (``[N]`` bool) holds."""
         return FeatureSet(*(getattr(self, f.name)[mask] for f in dataclasses.fields(self)))
+
+    def save(self, path: pathlib.Path | str) -> None:
+        """Writes every field to ``path`` (``numpy.savez``; :meth:`load` reads it)."""
+        np.savez(path, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+
+    @classmethod
+    def load(cls, path: pathlib.Path | str) -> FeatureSet:
+        """The features :meth:`save` wrote to ``path``."""
+        with np.load(path) as f:
+            return cls(**{k: f[k] for k in f.files})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,9 +114,9 @@ def greedy_continuations(
 
 
 def _features_fn(
-    graphdef: nnx.GraphDef, state: nnx.State, tokens: jax.Array, cache: KVCache
+    graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array, cache: KVCache
 ) -> jax.Array:
-    return nnx.merge(graphdef, state).features(tokens, cache)[0]
+    return nnx.merge(graphdef, params).features(tokens, cache)[0]
 
 
 _features = jax.jit(_features_fn, static_argnames="graphdef")
@@ -116,9 +128,7 @@ def teacher_forced_states(lm: LoadedModel, continuations: Continuations) -> np.n
     One prefill of prompt + continuation per prompt (one padded width, so one compile);
     row order is prompt index, then position.
     """
-    from jaxcert import models
-
-    graphdef, state = nnx.split(lm.model)
+    graphdef, params = nnx.split(lm.model)
     lengths = [
         len(continuations.prompt_ids[i]) + len(g) for i, g in continuations.generated.items()
     ]
@@ -127,8 +137,8 @@ def teacher_forced_states(lm: LoadedModel, continuations: Continuations) -> np.n
     for i, generated in continuations.generated.items():
         ids = continuations.prompt_ids[i] + generated
         tokens, _ = pad_prompts([ids], width=width)
-        cache = models.KVCache.create(lm.config, 1, width, dtype=lm.model.dtype)
-        hidden = _features(graphdef, state, jnp.asarray(tokens), cache)[0]
+        cache = lm.model.init_cache(1, width)
+        hidden = _features(graphdef, params, jnp.asarray(tokens), cache)[0]
         first = len(continuations.prompt_ids[i]) - 1  # predicts the first generated token
         out.append(np.asarray(hidden[first : first + len(generated)], np.float32))
     return np.concatenate(out)
@@ -171,15 +181,15 @@ def collect_features(
     )
 
 
-def target_logits(data: FeatureSet, target_model: nnx.Module, *, chunk: int = 256) -> np.ndarray:
+def target_logits(data: FeatureSet, target_model: LmHead, *, chunk: int = 256) -> np.ndarray:
     """``[N, V]`` float32 target logits of every position (computed once for training).
 
     The target's projection is the costliest part of a training step (``E_p x V``
     multiply-adds per position); precomputing it makes each step read a batch instead.
     """
-    graph, state = nnx.split(target_model)
+    graphdef, params = nnx.split(target_model)
     project_jit = jax.jit(project, static_argnames="graphdef")
     return np.concatenate([
-        np.asarray(project_jit(graph, state, jnp.asarray(data.target_hidden[i : i + chunk])))
+        np.asarray(project_jit(graphdef, params, jnp.asarray(data.target_hidden[i : i + chunk])))
         for i in range(0, len(data), chunk)
     ])  # fmt: skip

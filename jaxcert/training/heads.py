@@ -2,16 +2,32 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-if TYPE_CHECKING:
-    from jaxcert.models import KVCache, Transformer
+from jaxcert.models import Transformer
 
-__all__ = ["DraftHead", "HeadedDrafter", "Projection", "project"]
+if TYPE_CHECKING:
+    from jaxcert.models import KVCache, ModelConfig
+
+__all__ = ["DraftHead", "HeadedDrafter", "LmHead", "Projection", "project"]
+
+
+class LmHead(Protocol):
+    """What training and evaluation read of a model: its ``config`` and its lm_head.
+
+    ``models.Transformer``, :class:`HeadedDrafter` and :class:`Projection` all qualify
+    (an ``nnx.Module``, so it splits into ``graphdef`` and ``params``).
+    """
+
+    config: ModelConfig
+
+    def project(self, hidden: jax.Array) -> jax.Array:
+        """``[..., E]`` final-norm hidden states -> ``[..., V]`` float32 logits."""
+        ...
 
 
 class DraftHead(nnx.Module):
@@ -21,7 +37,7 @@ class DraftHead(nnx.Module):
     the plain drafter.
     """
 
-    def __init__(self, hidden_size: int, width: int, *, rngs: nnx.Rngs):
+    def __init__(self, hidden_size: int, width: int, *, rngs: nnx.Rngs) -> None:
         scale = hidden_size**-0.5
         self.w_in = nnx.Param(jax.random.normal(rngs.params(), (hidden_size, width)) * scale)
         self.w_out = nnx.Param(jnp.zeros((width, hidden_size)))  # [F, E]
@@ -39,17 +55,19 @@ class HeadedDrafter(nnx.Module):
     ``models.forward`` and the speculative decoder.
     """
 
-    def __init__(self, base: Transformer, head: DraftHead):
+    def __init__(self, base: Transformer, head: DraftHead) -> None:
         self.base = base
         self.head = head
         self.config = base.config
         self.dtype = base.dtype
 
-    def init_cache(self, batch_size: int, max_length: int, **kwargs) -> KVCache:
+    def init_cache(self, batch_size: int, max_length: int, **kwargs: Any) -> KVCache:
         """The base model's empty cache (see ``models.Transformer.init_cache``)."""
         return self.base.init_cache(batch_size, max_length, **kwargs)
 
-    def features(self, tokens: jax.Array, cache: KVCache, **kwargs) -> tuple[jax.Array, KVCache]:
+    def features(
+        self, tokens: jax.Array, cache: KVCache, **kwargs: Any
+    ) -> tuple[jax.Array, KVCache]:
         hidden, cache = self.base.features(tokens, cache, **kwargs)
         return self.head(hidden), cache
 
@@ -73,23 +91,31 @@ class HeadedDrafter(nnx.Module):
 
 
 class Projection(nnx.Module):
-    """Only the lm_head of a model (``project`` and ``config``): frees the trunk's memory."""
+    """Only the lm_head of a model: ``models.Transformer.project`` without the trunk.
 
-    def __init__(self, model: Transformer):
+    Keeps the attributes ``Transformer.project`` reads (``embedding`` when the model ties
+    its embeddings, else ``lm_head``; the other one is ``None``, so the trunk's and the
+    unused matrix's memory are freed) plus ``layout`` and ``config``, and :meth:`project`
+    runs ``Transformer.project`` itself on them: one lm_head, not a copy of it.
+    """
+
+    def __init__(self, model: Transformer) -> None:
         tied = model.lm_head is None
-        self.weight = nnx.Param(model.embedding[...] if tied else model.lm_head[...])
-        self.spec = "...E,VE->...V" if tied else "...E,EV->...V"
+        self.embedding = nnx.Param(model.embedding[...]) if tied else None  # [V, E]
+        self.lm_head = None if model.lm_head is None else nnx.Param(model.lm_head[...])  # [E, V]
+        self.layout = model.layout
         self.config = model.config
 
     def project(self, hidden: jax.Array) -> jax.Array:
-        w = self.weight[...]
-        return jnp.einsum(self.spec, hidden.astype(w.dtype), w, preferred_element_type=jnp.float32)
+        """``[..., E]`` final-norm hidden states -> ``[..., V]`` float32 logits (the model's)."""
+        # Duck-typed: the method reads only the attributes set in __init__.
+        return Transformer.project(cast(Transformer, self), hidden)
 
 
-def project(graphdef: nnx.GraphDef, state: nnx.State, hidden: jax.Array) -> jax.Array:
-    """The lm_head (``project``) of the model split into ``graphdef`` and ``state``.
+def project(graphdef: nnx.GraphDef, params: nnx.State, hidden: jax.Array) -> jax.Array:
+    """The lm_head (``project``) of the model split into ``graphdef`` and ``params``.
 
-    Weights travel as ``state``, an argument of the jitted callers, not as closed-over
+    Weights travel as ``params``, an argument of the jitted callers, not as closed-over
     constants (they are gigabytes).
     """
-    return nnx.merge(graphdef, state).project(hidden)
+    return nnx.merge(graphdef, params).project(hidden)

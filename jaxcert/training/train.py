@@ -6,6 +6,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -14,7 +15,7 @@ from flax import nnx
 from jaxcert import losses
 from jaxcert.core import rules as rules_lib
 from jaxcert.training.features import FeatureSet
-from jaxcert.training.heads import DraftHead, project
+from jaxcert.training.heads import DraftHead, LmHead, project
 
 __all__ = ["Objective", "train_head"]
 
@@ -36,9 +37,16 @@ class Objective:
     margin: float = 0.0
 
 
-def _loss(head, d_graph, d_state, h_q, target_logits, objective: Objective):
+def _loss(
+    head: DraftHead,
+    d_graphdef: nnx.GraphDef,
+    d_params: nnx.State,
+    h_q: jax.Array,
+    target_logits: jax.Array,
+    objective: Objective,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """The objective on one batch: ``(loss, (mean KL, mean violation))``."""
-    drafter_logits = project(d_graph, d_state, head(h_q))
+    drafter_logits = project(d_graphdef, d_params, head(h_q))
     kl = losses.kl_divergence(drafter_logits=drafter_logits, target_logits=target_logits)
     loss = jnp.mean(kl)
     violation = jnp.zeros(())
@@ -52,11 +60,36 @@ def _loss(head, d_graph, d_state, h_q, target_logits, objective: Objective):
     return loss, (jnp.mean(kl), violation)
 
 
+def _step_fn(
+    objective: Objective,
+) -> Callable[..., tuple[jax.Array, jax.Array, jax.Array]]:
+    """One Adam step on a batch: ``step(head, optimizer, d_graphdef, d_params, h_q, p_logits)``
+    -> ``(loss, mean KL, mean violation)`` (updates ``head`` and ``optimizer`` in place)."""
+
+    @nnx.jit(static_argnames="d_graphdef")
+    def step(
+        head: DraftHead,
+        optimizer: nnx.Optimizer,
+        d_graphdef: nnx.GraphDef,
+        d_params: nnx.State,
+        h_q: jax.Array,
+        p_logits: jax.Array,
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        grad_fn = nnx.value_and_grad(_loss, has_aux=True)
+        (loss, (kl, violation)), grads = grad_fn(
+            head, d_graphdef, d_params, h_q, p_logits, objective
+        )
+        optimizer.update(head, grads)
+        return loss, kl, violation
+
+    return step
+
+
 def train_head(
     objective: Objective,
     train: FeatureSet,
     train_target_logits: np.ndarray,
-    drafter_model: nnx.Module,
+    drafter_model: LmHead,
     *,
     steps: int = 150,
     batch_size: int = 64,
@@ -72,8 +105,9 @@ def train_head(
       train: training features.
       train_target_logits: ``[N, V]`` target logits of ``train``
         (:func:`~jaxcert.training.target_logits`).
-      drafter_model: the drafter ``models.Transformer`` (or compatible; its ``project``
-        maps hidden states to logits); it stays frozen.
+      drafter_model: the drafter ``models.Transformer`` (or compatible, e.g. its
+        :class:`~jaxcert.training.Projection`; its ``project`` maps hidden states to
+        logits); it stays frozen.
       steps, batch_size, learning_rate, width, seed: optimisation settings (Adam, linear
         warm-up over the first 10% of steps to ``learning_rate``, then cosine decay); the
         same seed gives the same initial head and the same batches for every objective.
@@ -95,22 +129,15 @@ def train_head(
         0.0, learning_rate, warmup_steps=max(1, steps // 10), decay_steps=max(steps, 2)
     )
     optimizer = nnx.Optimizer(head, optax.adam(schedule), wrt=nnx.Param)
-    d_graph, d_state = nnx.split(drafter_model)
-
-    @nnx.jit(static_argnames="d_graph")
-    def step(head, optimizer, d_graph, d_state, h_q, p_logits):
-        grad_fn = nnx.value_and_grad(_loss, has_aux=True)
-        (loss, (kl, violation)), grads = grad_fn(head, d_graph, d_state, h_q, p_logits, objective)
-        optimizer.update(head, grads)
-        return loss, kl, violation
-
+    d_graphdef, d_params = nnx.split(drafter_model)
+    step = _step_fn(objective)
     rng = np.random.default_rng(seed)
     history = []
     for i in range(steps):
         idx = rng.integers(0, len(train), batch_size)
         start = time.perf_counter()
         loss, kl, violation = step(
-            head, optimizer, d_graph, d_state,
+            head, optimizer, d_graphdef, d_params,
             jnp.asarray(train.drafter_hidden[idx]), jnp.asarray(train_target_logits[idx]),
         )  # fmt: skip
         history.append({"step": i, "loss": float(loss), "kl": float(kl),
