@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import csv
+import json
 import math
 import pathlib
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -25,6 +28,8 @@ __all__ = [
     "cdf_figure",
     "margin_figure",
     "plot_report",
+    "write_csv",
+    "write_report",
 ]
 
 RUN_BUDGETS = (0.01, 0.05, 0.1, 0.3)
@@ -271,3 +276,56 @@ def plot_report(table: pa.Table, rule_columns: Sequence[str], out_dir: pathlib.P
         paths.append(out_dir / name)
         figure(table, rule_columns).savefig(paths[-1], dpi=120)
     return paths
+
+
+def write_csv(path: pathlib.Path, rows: list[dict]) -> None:
+    """Dict rows as a CSV file (the first row's keys are the header)."""
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def write_report(
+    out: pathlib.Path, info: dict, meta: dict, rules, options, *, started: float, plots: bool
+) -> str:
+    """The report of a finished certify run in ``out``, from its dataset.
+
+    Writes ``summary.md`` (returned), ``summary.csv`` (:func:`summarize_positions`),
+    ``run_lengths.csv`` (:func:`run_lengths`), with ``plots`` ``certificate_cdf.png`` and
+    ``certificate_vs_margin.png`` (:func:`plot_report`), and ``run.json``: ``meta``
+    updated with ``info``, ``status``, ``total_s`` (since ``started``, a
+    ``time.perf_counter()``), ``positions_this_run`` and ``positions`` (the whole dataset,
+    resumed prompts included).
+
+    Args:
+      out: the run's folder (holding ``positions.parquet/``).
+      info: the run's counts and timings (``Certifier.info``, merged over processes).
+      meta: what run.json records besides (command line, target, options, ...).
+      rules: the run's rules; options: its ``CertifyOptions``.
+    """
+    from jaxcert.pipeline.store import read_positions
+
+    out = pathlib.Path(out)
+    rule_cols = [rule_column(r) for r in rules]
+    stat_cols = ["top1", f"top{options.top}_coverage", "margin", "entropy"]
+    # Only the numeric columns the summaries need (the rows stay on disk otherwise).
+    table = read_positions(out, [*stat_cols, *rule_cols])
+    summary = summarize_positions(table, stat_cols + rule_cols)
+    runs = run_lengths(table, rule_cols)
+    write_csv(out / "summary.csv", summary)
+    write_csv(out / "run_lengths.csv", runs)
+    text = (
+        f"## Positions: {table.num_rows} ({info['prompts_used']} prompts x up to "
+        f"{options.steps} greedy steps)\n\n{markdown_table(summary)}\n\n"
+        f"## Mean certified run length (positions) at uniform KL budget eps\n\n"
+        f"{markdown_table(runs, digits=2)}\n"
+    )
+    (out / "summary.md").write_text(text)
+    if plots:
+        plot_report(table, rule_cols, out)
+    meta.update(info, status="ok", total_s=round(time.perf_counter() - started, 1))
+    meta["positions_this_run"] = info.get("positions", 0)
+    meta["positions"] = table.num_rows  # the whole dataset, resumed prompts included
+    (out / "run.json").write_text(json.dumps(meta, indent=2, default=str))
+    return text

@@ -42,8 +42,11 @@ __all__ = [
     "OutputExists",
     "ShardWriter",
     "check_output",
+    "finish",
     "fingerprint_path",
     "read_positions",
+    "run_fingerprint",
+    "write_all",
     "MANIFEST",
     "DATASET",
 ]
@@ -89,6 +92,42 @@ def fingerprint_path(path: str | os.PathLike) -> str:
                     fh.seek(size - (1 << 20))
                     h.update(fh.read())
     return h.hexdigest()
+
+
+def _spelling(source: str) -> str:
+    """A file or folder argument by its name alone (``./x``, ``/abs/x`` and another host's
+    copy are one run: the content is fingerprinted beside it); a registry name as it is."""
+    path = pathlib.Path(source)
+    return path.resolve().name if path.exists() else source
+
+
+def _prompts_digest(prompt_set) -> str:
+    h = hashlib.sha256()
+    for p in prompt_set:
+        h.update(json.dumps([p.id, p.text, p.category]).encode())
+    return h.hexdigest()
+
+
+def run_fingerprint(
+    *, target: str, model_path, dtype: str, prompts: str, prompt_set, turn: int, **settings
+) -> dict:
+    """What a resumed run, and every process of a multi-process run, must agree on.
+
+    The target and prompt set by name (:func:`_spelling`) and content (:func:`fingerprint_path`
+    of ``model_path``, a digest of ``prompt_set``), the ``dtype`` and ``turn``, then
+    ``settings`` as they are (rules, options, mesh, jaxcert's version). Not the process
+    count: a row's numbers do not depend on it (each part has the whole run's shapes), so a
+    run may be resumed with more or fewer processes.
+    """
+    return {
+        "target": _spelling(target),
+        "model_sha256": fingerprint_path(model_path),
+        "dtype": dtype,
+        "prompts": _spelling(prompts),
+        "prompts_sha256": _prompts_digest(prompt_set),
+        "turn": turn,
+        **settings,
+    }
 
 
 def _jsonable(value):
@@ -345,3 +384,33 @@ class ShardWriter:
         """Writes what is buffered and the final manifest (``status``: complete, failed...)."""
         self.flush()
         self.write_manifest(status, **extra)
+
+
+def write_all(writer: ShardWriter, run) -> None:
+    """Streams each table of ``run`` (an iterable with an ``info`` dict, e.g.
+    :class:`jaxcert.pipeline.engine.Certifier`) into ``writer``.
+
+    On an error or an interrupt the manifest says ``failed`` or ``interrupted`` (with the
+    error and ``run.info``), everything computed so far is kept, and the error goes on.
+    """
+    try:
+        for table in run:
+            writer.write(table)
+    except BaseException as err:
+        status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
+        writer.close(status, error=f"{type(err).__name__}: {err}", info=run.info)
+        raise
+
+
+def finish(writer: ShardWriter, usable, info: dict) -> None:
+    """The manifest's last word: ``complete`` once every prompt of ``usable`` is in the
+    dataset (every part of a multi-process run merged).
+
+    Raises:
+      ValueError: prompts are missing (the manifest then says ``incomplete`` and lists them).
+    """
+    missing = sorted(set(usable) - writer.done_prompts)
+    if missing:  # every part arrived, yet prompts are missing: never call this complete
+        writer.close("incomplete", info=info, missing_prompts=missing)
+        raise ValueError(f"{len(missing)} prompts are missing from {writer.out} after the merge")
+    writer.close("complete", info=info)
