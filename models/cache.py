@@ -7,6 +7,9 @@ step; measured 4x slower attention at B=8, S=2048). Slots `[0, length[b])` of ro
 committed entries; everything at or beyond `length[b]` is stale and is never attended (see
 `models.transformer`).
 
+`Cache` is the protocol a cache offers the speculative decoder (`jaxcert.decoding`): any
+model's cache with these methods works there, whatever it stores; `KVCache` is one.
+
 On a mesh (``KVCache.create(..., mesh=...)``, or the forward pass of a sharded model) the buffers
 are split over batch rows (``data``) and key/value heads (``model``); heads replicate over
 ``model`` when G is not divisible by its size, rows over ``data`` when B is not.
@@ -15,6 +18,7 @@ are split over batch rows (``data``) and key/value heads (``model``); heads repl
 from __future__ import annotations
 
 import functools
+from typing import Protocol, Self, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +29,50 @@ from jax.typing import ArrayLike
 
 from jaxcert.models.config import ModelConfig
 from jaxcert.models.sharding import LOGICAL_RULES, Layout
+
+
+@runtime_checkable
+class Cache(Protocol):
+    """A pure cache of committed entries per row: every method returns a new cache.
+
+    A model call with ``T`` new tokens writes their entries at slots ``[length, length + T)``
+    and returns a cache with the same ``length``; the decoder then commits, rolls back or
+    selects. Every method must work under ``jax.jit`` with traced arguments.
+
+    Attributes:
+      length: ``[B]`` int32 committed entries per row.
+    """
+
+    length: jax.Array
+
+    def commit(self, num_tokens: ArrayLike) -> Self:
+        """Marks ``num_tokens`` (scalar or ``[B]``) more entries per row as committed."""
+        ...
+
+    def rollback(self, length: ArrayLike) -> Self:
+        """Sets the committed length (scalar or ``[B]``); later entries become stale."""
+        ...
+
+    def select(self, offsets: ArrayLike, count: ArrayLike) -> Self:
+        """Keeps one path of the last call's ``T`` entries (``offsets`` ``[B, P]``, the entry
+        at ``length + offsets[b, i]`` moves to ``length + i``) and commits ``count`` ``[B]`` of
+        them (draft trees)."""
+        ...
+
+    def repeat(self, times: int) -> Self:
+        """Each row ``times`` times in a row: ``B`` rows -> ``B * times`` (row ``b`` becomes
+        rows ``b * times`` to ``b * times + times - 1``); one row per tree branch."""
+        ...
+
+    def take_rows(self, rows: ArrayLike) -> Self:
+        """The rows ``rows`` (``[B']`` int32 indices), in that order."""
+        ...
+
+    def copy_segments(self, src: ArrayLike, start: ArrayLike, width: int) -> Self:
+        """Row ``r``'s entries at slots ``[start[r], start[r] + width)`` become row
+        ``src[r]``'s (``src``, ``start``: ``[B]`` int32; ``width`` static). A dynamic tree
+        re-points a branch to another parent this way."""
+        ...
 
 
 @struct.dataclass

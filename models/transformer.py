@@ -23,6 +23,7 @@ mesh (``layout is None``) the forward pass is exactly the single-device one.
 from __future__ import annotations
 
 import dataclasses
+from typing import TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +31,7 @@ from flax import nnx
 from jax import lax
 from jax.sharding import Mesh
 
-from jaxcert.models.cache import KVCache
+from jaxcert.models.cache import Cache, KVCache
 from jaxcert.models.config import ModelConfig
 from jaxcert.models.sharding import Layout, constrain
 
@@ -40,6 +41,8 @@ _MASKED = -1e30  # finite, so a fully masked row gives uniform weights instead o
 # Logical axis names of activations (see `jaxcert.models.sharding`).
 _BTE = ("batch", None, "embed")
 _CACHE = ("batch", "kv_heads", None, None)  # [B, G, S, D]
+
+CacheT = TypeVar("CacheT", bound=Cache)  # any cache: forward and decode_step are generic
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], dtype) -> nnx.Param:
@@ -374,49 +377,49 @@ class Transformer(nnx.Module):
 
 def forward(
     graphdef: nnx.GraphDef,
-    state: nnx.State,
+    params: nnx.State,
     tokens: jax.Array,
-    cache: KVCache,
+    cache: CacheT,
     **kwargs,
-):
-    """Pure `Transformer.__call__` over `(graphdef, state)` for `jax.jit`.
+) -> tuple[jax.Array, CacheT]:
+    """Pure `__call__` of the model split into `(graphdef, params)`, for `jax.jit`.
 
     Example::
 
-      graphdef, state = nnx.split(model)
+      graphdef, params = nnx.split(model)
       step = jax.jit(forward, static_argnums=0, static_argnames="return_hidden",
                      donate_argnames="cache")
-      logits, cache = step(graphdef, state, tokens, cache)
+      logits, cache = step(graphdef, params, tokens, cache)
 
     Donating `cache` lets XLA update the buffers in place; without it each call copies them.
     Compiles once per shape of `tokens`/`cache` and per option set.
     """
-    return nnx.merge(graphdef, state)(tokens, cache, **kwargs)
+    return nnx.merge(graphdef, params)(tokens, cache, **kwargs)
 
 
 def decode_step(
     graphdef: nnx.GraphDef,
-    state: nnx.State,
+    params: nnx.State,
     token: jax.Array,
-    cache: KVCache,
+    cache: CacheT,
     active: jax.Array,
-) -> tuple[jax.Array, KVCache]:
+) -> tuple[jax.Array, CacheT]:
     """One autoregressive step: feeds `token` (`[B]` int32) and commits it on `active` rows.
 
     The step of every target-only loop of the package (`jaxcert certify`'s greedy scan and
     the decoder's target-only baseline), so both read the same logits.
 
     Args:
-      graphdef, state: the model, split with `nnx.split`.
+      graphdef, params: the model, split with `nnx.split`.
       token: `[B]` int32, the token each row appends.
-      cache: the KV cache (`[B, ...]`).
+      cache: the model's cache (`B` rows).
       active: `[B]` bool; inactive rows compute but do not commit their entry.
 
     Returns:
       `(logits, cache)`: `[B, V]` logits of the next position, and the cache with one more
       committed entry on the active rows.
     """
-    logits, cache = forward(graphdef, state, token[:, None], cache)
+    logits, cache = forward(graphdef, params, token[:, None], cache)
     return logits[:, 0], cache.commit(active.astype(jnp.int32))
 
 

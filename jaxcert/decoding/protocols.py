@@ -4,9 +4,10 @@
 :class:`jaxcert.training.HeadedDrafter`. Any ``nnx.Module`` with this surface can be a
 target or a drafter of :func:`jaxcert.decoding.speculative_decode` (the checks are
 structural: ``isinstance(model, DecoderModel)`` works at run time). The model creates its
-own cache (``init_cache``) and the decoder touches the cache only through :class:`Cache`'s
-methods, so a cache may hold anything (key/value buffers, token history, nothing at all)
-as long as it is a pytree whose leaves have the batch rows first.
+own cache (``init_cache``) and the decoder touches the cache only through the methods of
+:class:`Cache` (defined beside ``KVCache`` in :mod:`jaxcert.models.cache`, re-exported
+here), so a cache may hold anything (key/value buffers, a token history, nothing at all) as
+long as it is a pytree.
 
 Shape letters: ``B`` batch rows, ``T`` new tokens per call, ``S`` cache slots, ``E`` model
 (hidden) width, ``V`` vocabulary.
@@ -17,53 +18,10 @@ from __future__ import annotations
 from typing import Protocol, runtime_checkable
 
 import jax
-from jax.typing import ArrayLike
+
+from jaxcert.models.cache import Cache
 
 __all__ = ["Cache", "DecoderModel", "ModelConfigLike"]
-
-
-@runtime_checkable
-class Cache(Protocol):
-    """A pure cache of committed entries per row: every method returns a new cache.
-
-    A model call with ``T`` new tokens writes their entries at slots ``[length, length + T)``
-    and returns a cache with the same ``length``; the decoder then commits, rolls back or
-    selects. Every method must work under ``jax.jit`` with traced arguments.
-
-    Attributes:
-      length: ``[B]`` int32 committed entries per row.
-    """
-
-    length: jax.Array
-
-    def commit(self, num_tokens: ArrayLike) -> Cache:
-        """Marks ``num_tokens`` (scalar or ``[B]``) more entries per row as committed."""
-        ...
-
-    def rollback(self, length: ArrayLike) -> Cache:
-        """Sets the committed length (scalar or ``[B]``); later entries become stale."""
-        ...
-
-    def select(self, offsets: ArrayLike, count: ArrayLike) -> Cache:
-        """Keeps one path of the last call's ``T`` entries (``offsets`` ``[B, P]``, the entry
-        at ``length + offsets[b, i]`` moves to ``length + i``) and commits ``count`` ``[B]`` of
-        them (draft trees)."""
-        ...
-
-    def repeat(self, times: int) -> Cache:
-        """Each row ``times`` times in a row: ``B`` rows -> ``B * times`` (row ``b`` becomes
-        rows ``b * times`` to ``b * times + times - 1``); one row per tree branch."""
-        ...
-
-    def take_rows(self, rows: ArrayLike) -> Cache:
-        """The rows ``rows`` (``[B']`` int32 indices), in that order."""
-        ...
-
-    def copy_segments(self, src: ArrayLike, start: ArrayLike, width: int) -> Cache:
-        """Row ``r``'s entries at slots ``[start[r], start[r] + width)`` become row
-        ``src[r]``'s (``src``, ``start``: ``[B]`` int32; ``width`` static). A dynamic tree
-        re-points a branch to another parent this way."""
-        ...
 
 
 @runtime_checkable
