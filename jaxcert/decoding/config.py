@@ -86,11 +86,7 @@ class DecodeConfig:
             object.__setattr__(self, "verification", parse_verify(self.verification))
         if not isinstance(self.verification, Verification):
             raise ValueError(f"verification must be a Verification, got {self.verification!r}")
-        object.__setattr__(self, "eos_ids", tuple(int(i) for i in self.eos_ids))
-        if len(self.eos_ids) > Settings.MAX_EOS:
-            raise ValueError(
-                f"at most {Settings.MAX_EOS} end tokens, got {len(self.eos_ids)}: {self.eos_ids}"
-            )
+        object.__setattr__(self, "eos_ids", Settings.check_eos_ids(self.eos_ids))
         for name in ("max_new_tokens", "max_draft", "rounds_per_call"):
             check_int(name, getattr(self, name))
         check_sampling(self.temperature, self.top_p)

@@ -95,9 +95,7 @@ class Settings:
     @classmethod
     def create(cls, max_new_tokens: int, temperature: float, top_p: float, eos_ids) -> Settings:
         """Host values to a ``Settings`` (``eos_ids``: at most ``MAX_EOS`` ids)."""
-        eos = tuple(int(i) for i in eos_ids)
-        if len(eos) > cls.MAX_EOS:
-            raise ValueError(f"at most {cls.MAX_EOS} end tokens, got {len(eos)}: {eos}")
+        eos = cls.check_eos_ids(eos_ids)
         padded = np.full((cls.MAX_EOS,), -1, np.int32)
         padded[: len(eos)] = eos
         return cls(
@@ -106,6 +104,18 @@ class Settings:
             top_p=np.asarray(top_p, np.float32),
             eos_ids=padded,
         )
+
+    @classmethod
+    def check_eos_ids(cls, eos_ids) -> tuple[int, ...]:
+        """``eos_ids`` as a tuple of ints.
+
+        Raises:
+          ValueError: more than ``MAX_EOS`` ids.
+        """
+        eos = tuple(int(i) for i in eos_ids)
+        if len(eos) > cls.MAX_EOS:
+            raise ValueError(f"at most {cls.MAX_EOS} end tokens, got {len(eos)}: {eos}")
+        return eos
 
     def is_eos(self, tokens: jax.Array) -> jax.Array:
         """``[...]`` bool: which of ``tokens`` (``[...]`` int) are end tokens."""
