@@ -8,14 +8,13 @@ Compares, at equal steps and seed, a :class:`jaxcert.training.DraftHead` trained
 
 from __future__ import annotations
 
-import dataclasses
-import gc
-import json
+import argparse
+import contextlib
 import pathlib
 import sys
 import time
-
-import numpy as np
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from jaxcert.cli import DEFAULT_TARGET
 from jaxcert.cli._common import check_vocabularies, load_model, load_prompt_set
@@ -27,10 +26,14 @@ from jaxcert.cli.argtypes import (
     unit_float,
 )
 
+if TYPE_CHECKING:
+    from jaxcert.models import LoadedModel
+    from jaxcert.training import FeatureSet, recipe
+
 __all__ = ["add_parser", "run"]
 
 
-def add_parser(sub) -> None:
+def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "train-drafter",
         help="train drafter heads with KL vs KL + certificate violation and compare them",
@@ -158,72 +161,67 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _bar(desc):
+@contextlib.contextmanager
+def _bar(desc: str) -> Iterator[Callable[[int, int], None]]:
+    """A tqdm bar on stderr for one phase; yields its ``progress(done, total)``."""
     from tqdm import tqdm
 
     bar = tqdm(total=1, desc=desc, file=sys.stderr, dynamic_ncols=True)
 
-    def update(done, total):
+    def update(done: int, total: int) -> None:
         bar.total = total
         bar.n = done
         bar.refresh()
 
-    return bar, update
+    try:
+        yield update
+    finally:
+        bar.close()
 
 
-def _plot(histories: dict, path: pathlib.Path) -> None:
-    from matplotlib.figure import Figure  # no pyplot: no global backend or figure state
-
-    fig = Figure(figsize=(13, 3.8))
-    axes = fig.subplots(1, 3)
-    for name, history in histories.items():
-        for ax, key in zip(axes, ("loss", "kl", "violation"), strict=True):
-            values = np.array([h[key] for h in history])
-            smooth = np.convolve(values, np.ones(10) / 10, mode="valid")
-            ax.plot(np.arange(len(smooth)) + 9, smooth, label=name)
-            ax.set_title(f"{key} (train batch, 10-step mean)")
-            ax.set_xlabel("step")
-    axes[0].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+def _log(message: str) -> None:
+    print(f"[jaxcert] {message}", file=sys.stderr)
 
 
-def _decode_heldout(args, prompt_set, held, heads, results) -> None:
-    """Adds the speculative decoder's acceptance length of each drafter to ``results``."""
+def _loaders(args: argparse.Namespace) -> recipe.Loaders:
     import jax.numpy as jnp
 
-    from jaxcert import models, training
-    from jaxcert.base import prompts
+    from jaxcert.training import recipe
 
-    target = load_model("--target", args.target, dtype=jnp.float32)
-    if args.drafter is None:
-        base = models.truncate(target.model, args.exit_layer)
-    else:
-        base = load_model("--drafter", args.drafter, dtype=jnp.float32).model
-    encoded = prompts.encode_prompts(target.tokenizer, [prompt_set[i] for i in sorted(held)])
-    bar, update = _bar("decoder acceptance")
-    for i, (result, head) in enumerate(zip(results, heads, strict=True)):
-        drafter = base if head is None else training.HeadedDrafter(base, head)
-        measured = training.decoder_acceptance(
-            target,
-            drafter,
-            encoded,
-            draft_length=args.draft_length,
-            max_new_tokens=args.decode_tokens,
-            eos_ids=target.eos_ids,
-        )
-        result["decoder_acceptance_length"] = measured["decoder_acceptance_length"]
-        update(i + 1, len(heads))
-    bar.close()
+    def target() -> LoadedModel:
+        return load_model("--target", args.target, dtype=jnp.float32)
+
+    def drafter() -> LoadedModel:
+        return load_model("--drafter", args.drafter, dtype=jnp.float32)
+
+    return recipe.Loaders(target, None if args.drafter is None else drafter, args.exit_layer)
 
 
-def run(args) -> int:
-    import jax.numpy as jnp
+def _saved_features(args: argparse.Namespace, num_prompts: int) -> Callable[[], FeatureSet] | None:
+    """Reads ``--features`` (``None`` without it), refused unless they fit this run's prompts.
 
-    from jaxcert import models, training
-    from jaxcert.base import prompts
-    from jaxcert.core import rules as rules_lib
-    from jaxcert.pipeline import report as certify_report
+    A callable: ``recipe.prepare`` reads them once the target's context is checked.
+    """
+    if args.features is None:
+        return None
+
+    def load() -> FeatureSet:
+        from jaxcert.training import FeatureSet
+
+        saved = FeatureSet.load(args.features)
+        if len(saved) == 0 or saved.prompt.max() >= num_prompts:
+            raise ValueError(
+                f"{args.features}: its prompts do not fit --prompts {args.prompts} with "
+                f"--max-prompts {args.max_prompts} ({num_prompts} prompts); use the "
+                "options of the run that saved it"
+            )
+        return saved
+
+    return load
+
+
+def run(args: argparse.Namespace) -> int:
+    from jaxcert.training import recipe
 
     if not 0 < args.heldout < 1:
         raise ValueError(f"--heldout must be in (0, 1), got {args.heldout}")
@@ -233,147 +231,45 @@ def run(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     prompt_set = load_prompt_set(args.prompts, max_prompts=args.max_prompts)
-    # One model in memory at a time (the 1.5B target alone is 7 GB in float32): the
-    # trunks are only needed for the features; training needs the two lm_heads.
-    target = load_model("--target", args.target, dtype=jnp.float32)
-    target_config = target.config
-    # Both phases' context needs, before anything compiles (training is not lost to a
-    # decode phase that cannot run).
-    longest = max(len(ids) for ids in prompts.encode_prompts(target.tokenizer, prompt_set))
-    context = [dict(prompt_tokens=longest, new_tokens=args.continuation)]
-    if args.decode_tokens > 0:
-        context.append(
-            dict(
-                prompt_tokens=longest,
-                new_tokens=args.decode_tokens,
-                draft_positions=args.draft_length,
-            )
-        )
-    for need in context:
-        models.check_context_length({"target": target}, **need)
-    saved = None
-    if args.features is not None:
-        with np.load(args.features) as f:
-            saved = training.FeatureSet(**{k: f[k] for k in f.files})
-        if len(saved) == 0 or saved.prompt.max() >= len(prompt_set):
-            raise ValueError(
-                f"{args.features}: its prompts do not fit --prompts {args.prompts} with "
-                f"--max-prompts {args.max_prompts} ({len(prompt_set)} prompts); use the "
-                "options of the run that saved it"
-            )
-    else:
-        bar, update = _bar("target continuations")
-        conts = training.greedy_continuations(
-            target, prompt_set, steps=args.continuation, progress=update
-        )
-        bar.close()
-        target_hidden = training.teacher_forced_states(target, conts)
-    target_head = training.Projection(target.model)
-    if args.drafter is None:  # early exit of the target itself (weights shared)
-        trunk = models.truncate(target.model, args.exit_layer)
-        drafter = dataclasses.replace(target, model=trunk, config=trunk.config)
-        del target
-    else:
-        del target
-        gc.collect()
-        drafter = load_model("--drafter", args.drafter, dtype=jnp.float32)
-    models.check_same_vocabulary(target_config, drafter.config)
-    for need in context:
-        models.check_context_length({"drafter": drafter}, **need)
-    if saved is not None:
-        features = saved
-    else:
-        features = training.feature_set(
-            conts, target_hidden, training.teacher_forced_states(drafter, conts)
-        )
-        np.savez(
-            out / "features.npz",
-            **{
-                k: getattr(features, k)
-                for k in ("drafter_hidden", "target_hidden", "prompt", "position", "token")
-            },
-        )
-    drafter_head = training.Projection(drafter.model)
-    del drafter
-    gc.collect()
-    rng = np.random.default_rng(args.seed)
-    prompt_ids = np.unique(features.prompt)
-    held = rng.choice(prompt_ids, max(1, round(args.heldout * len(prompt_ids))), replace=False)
-    is_held = np.isin(features.prompt, held)
-    train, test = features.select(~is_held), features.select(is_held)
-    if len(train) == 0 or len(test) == 0:
-        raise ValueError(
-            f"{len(prompt_ids)} prompt(s) with positions: need at least 2 to hold some out "
-            "(raise --max-prompts)"
-        )
-    print(
-        f"[jaxcert] features: {len(train)} train / {len(test)} held-out positions "
-        f"({len(prompt_ids) - len(held)} / {len(held)} prompts)",
-        file=sys.stderr,
+    loaders = _loaders(args)
+    prepared = recipe.prepare(
+        loaders,
+        prompt_set,
+        continuation=args.continuation,
+        decode_tokens=args.decode_tokens,
+        draft_length=args.draft_length,
+        load_saved=_saved_features(args, len(prompt_set)),
+        save_to=out / "features.npz",
+        bars=_bar,
     )
-    rules = (rules_lib.StrictGreedy(), rules_lib.TreeCoverage(4))
-    kw = dict(rules=rules, draft_length=args.draft_length)
-    results = [
-        {
-            "drafter": "untrained (plain drafter)",
-            **training.evaluate(None, test, target_head, drafter_head, **kw),
-        }
-    ]
-    objectives = (
-        training.Objective("(a) KL"),
-        training.Objective(
-            "(b) KL + greedy violation",
-            rules_lib.StrictGreedy(),
-            weight=args.weight,
-            margin=args.margin,
-        ),
-        training.Objective(
-            "(c) KL + tree:4 violation",
-            rules_lib.TreeCoverage(4),
-            weight=args.weight,
-            margin=args.margin,
-        ),
+    split = recipe.split_heldout(prepared.features, args.heldout, seed=args.seed)
+    _log(f"features: {split.summary()}")
+    settings = recipe.TrainSettings(
+        steps=args.train_steps,
+        batch_size=args.batch_size,
+        learning_rate=args.learning_rate,
+        width=args.width,
+        seed=args.seed,
     )
-    train_logits = training.target_logits(train, target_head)  # once, for every objective
-    histories, heads = {}, [None]
-    for objective in objectives:
-        bar, update = _bar(objective.name)
-        head, history = training.train_head(
-            objective,
-            train,
-            train_logits,
-            drafter_head,
-            steps=args.train_steps,
-            batch_size=args.batch_size,
-            learning_rate=args.learning_rate,
-            width=args.width,
-            seed=args.seed,
-            progress=update,
-        )
-        bar.close()
-        histories[objective.name] = history
-        heads.append(head)
-        result = training.evaluate(head, test, target_head, drafter_head, **kw)
-        results.append({"drafter": objective.name, **result})
-        print(f"[jaxcert] {objective.name}: {result}", file=sys.stderr)
+    objectives = recipe.comparison_objectives(args.weight, args.margin)
+    comparison = recipe.compare(
+        prepared, split, objectives, settings, draft_length=args.draft_length, bars=_bar, log=_log
+    )
 
-    def save():  # after training, and again with the decoder's figures
-        table = certify_report.markdown_table(results, digits=4)
-        seconds = round(time.perf_counter() - started, 1)
-        meta = {
-            "command": " ".join(sys.argv),
-            "args": vars(args),
-            "results": results,
-            "histories": histories,
-            "seconds": seconds,
-        }
-        (out / "results.json").write_text(json.dumps(meta, indent=2, default=str))
-        (out / "results.md").write_text(table + "\n")
-        return table
+    def save() -> str:  # after training, and again with the decoder's figures
+        seconds = time.perf_counter() - started
+        return recipe.write_results(
+            out, comparison, command=" ".join(sys.argv), args=vars(args), seconds=seconds
+        )
 
     save()
-    _plot(histories, out / "training_curves.png")
+    recipe.plot_histories(comparison.histories, out / "training_curves.png")
     if args.decode_tokens > 0:
-        _decode_heldout(args, prompt_set, held, heads, results)
+        lengths = recipe.decode_heldout(
+            loaders, prompt_set, split.held, comparison.heads,
+            draft_length=args.draft_length, max_new_tokens=args.decode_tokens, bars=_bar,
+        )  # fmt: skip
+        for result, length in zip(comparison.results, lengths, strict=True):
+            result["decoder_acceptance_length"] = length
     print(save())
     return 0

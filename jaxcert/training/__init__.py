@@ -22,8 +22,9 @@ signature as ``models.Transformer``).
 
 Modules: :mod:`~jaxcert.training.heads` (the nnx modules), :mod:`~jaxcert.training.features`
 (continuations, cached hidden states, target logits), :mod:`~jaxcert.training.train`
-(objectives, optimisation) and :mod:`~jaxcert.training.evaluation` (offline and decoder
-acceptance).
+(objectives, optimisation), :mod:`~jaxcert.training.evaluation` (offline and decoder
+acceptance) and :mod:`~jaxcert.training.recipe` (the steps of ``jaxcert train-drafter``:
+features of both models, the comparison of objectives, results).
 """
 
 from jaxcert.training.evaluation import chain_acceptance_length, decoder_acceptance, evaluate
