@@ -76,6 +76,28 @@ def test_pipeline_matches_an_unbatched_teacher_forced_reference(lm):
         np.testing.assert_allclose([rows["entropy"][r] for r in mine], stats.entropy, rtol=1e-4)
 
 
+def test_a_run_compiles_through_its_programs_and_counts_the_time(lm):
+    """The pieces compile ahead of time through the run's ``Programs``: the first run
+    compiles each one (prefill widths, install, decode chunk) and counts the time; a second
+    run with the same ``Programs`` and shapes compiles nothing and computes the same rows."""
+    from jaxcert.decoding import Programs
+
+    prompt_set = [prompts.Prompt(str(i), t) for i, t in enumerate(TEXTS)]
+    options = certify.CertifyOptions(steps=3, batch_size=2, chunk=4, stop_at_eos=False)
+    programs, stages = Programs(), []
+    first = certify.Certifier(lm, prompt_set, RULES[:1], options, programs=programs,
+                              progress=lambda p: stages.append(p.stage))  # fmt: skip
+    tables = list(first)
+    widths = {w for ids in first.encoded
+              for w, _ in certify.prefill_pieces(len(ids), options.prefill_widths)}  # fmt: skip
+    assert programs.compiled == len(widths) + 2
+    assert len(programs.of(certify._decode_chunk)) == 1
+    assert first.info["compile_s"] > 0 and stages.count("compile") == programs.compiled
+    second = certify.Certifier(lm, prompt_set, RULES[:1], options, programs=programs)
+    assert certify.merge_parts(list(second)).equals(certify.merge_parts(tables))
+    assert second.info["compile_s"] == 0 and programs.compiled == len(widths) + 2
+
+
 def test_stop_at_eos_and_min_prompt_tokens(lm):
     prompt_set = [prompts.Prompt(str(i), t) for i, t in enumerate(TEXTS)]
     lengths = [len(x) for x in prompts.encode_prompts(lm.tokenizer, prompt_set)]
@@ -119,7 +141,9 @@ def test_cli_certify_writes_tables_and_plots(checkpoint, prompt_file, tmp_path, 
     assert (out / "certificate_vs_margin.png").stat().st_size > 1000
     meta = json.loads((out / "run.json").read_text())
     assert meta["status"] == "ok" and meta["positions"] == 15
-    assert "cert_greedy" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "cert_greedy" in captured.out
+    assert meta["compile_s"] >= 0 and f"compile {meta['compile_s']:.1f} s" in captured.err
 
 
 @pytest.mark.parametrize(

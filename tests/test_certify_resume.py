@@ -115,22 +115,23 @@ def test_a_failure_keeps_the_finished_shards_and_resume_completes(
 ):
     out = tmp_path / "run"
     args = _args(checkpoint, many_prompts, out, "--shard-rows", "1")
-    real, calls = certify._decode_chunk, []
+    # The fourth decoding chunk fails (Certifier._decode runs the compiled _decode_chunk).
+    real, calls = certify.Certifier._decode, []
 
-    def failing(*a):
+    def failing(self, *a):
         calls.append(1)
         if len(calls) == 4:
             raise RuntimeError("device lost")
-        return real(*a)
+        return real(self, *a)
 
-    monkeypatch.setattr(certify, "_decode_chunk", failing)
+    monkeypatch.setattr(certify.Certifier, "_decode", failing)
     with pytest.raises(RuntimeError, match="device lost"):
         cli.main(args)
     assert "--resume continues" in capsys.readouterr().err
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["status"] == "failed" and "device lost" in manifest["error"]
     assert 0 < len(manifest["prompts_done"]) < len(TEXTS)
-    monkeypatch.setattr(certify, "_decode_chunk", real)
+    monkeypatch.setattr(certify.Certifier, "_decode", real)
     assert cli.main(args + ["--resume"]) == 0
     assert certify_store.read_positions(out).equals(certify_store.read_positions(uninterrupted))
 

@@ -31,6 +31,7 @@ import dataclasses
 import functools
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +46,7 @@ from jaxcert.base.prompts import Prompt, encode_prompts
 from jaxcert.base.validate import check_int, round_up
 from jaxcert.core import stats as stats_lib
 from jaxcert.core.solver import certificates
+from jaxcert.decoding.programs import Programs, default_programs
 from jaxcert.models import mesh as mesh_lib
 from jaxcert.pipeline.report import rule_column
 
@@ -127,7 +129,7 @@ class Progress:
     """A snapshot of a run, passed to the ``progress`` callback.
 
     Attributes:
-      stage: ``"compile"`` (a first call of a jitted function), ``"prefill"`` or ``"decode"``.
+      stage: ``"compile"`` (a program is about to compile), ``"prefill"`` or ``"decode"``.
       prompts_done: prompts finished (all their positions yielded).
       prompts_total: prompts this run certifies (without the skipped ones).
       positions: positions recorded so far.
@@ -140,11 +142,12 @@ class Progress:
 
 
 # ---------------------------------------------------------------------------------------------
-# Jitted pieces: one compilation per shape (decode chunk, each prefill width, install).
+# Jitted pieces, compiled ahead of time through a ``Programs`` (one program per shape: decode
+# chunk, each prefill width, install).
 
 
-@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(4,))
-def _prefill_piece(graphdef, state, tokens, count, row_cache):
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("row_cache",))
+def _prefill_piece(state, tokens, count, row_cache, *, graphdef):
     """Feeds ``tokens`` ``[1, C]`` (``count`` real) to a one-row cache and commits them.
 
     Returns the logits ``[1, V]`` after the last real token (the lm_head runs on it only)."""
@@ -154,7 +157,7 @@ def _prefill_piece(graphdef, state, tokens, count, row_cache):
     return model.project(last), row_cache.commit(count)
 
 
-@functools.partial(jax.jit, donate_argnums=(0, 1, 2, 3))
+@functools.partial(jax.jit, donate_argnames=("cache", "logits", "step", "active"))
 def _install(cache, logits, step, active, row_cache, row_logits, slot):
     """Copies a prefilled one-row cache and its logits into ``slot``; the slot starts."""
     hit = jnp.arange(logits.shape[0]) == slot  # [B]
@@ -170,8 +173,12 @@ def _install(cache, logits, step, active, row_cache, row_logits, slot):
     return cache, put(logits, row_logits), jnp.where(hit, 0, step), active | hit
 
 
-@functools.partial(jax.jit, static_argnums=(0, 6, 7, 8, 9, 10), donate_argnums=(2, 3, 4, 5))
-def _decode_chunk(graphdef, state, cache, logits, step, active, rules, length, top, eos, steps):
+@functools.partial(
+    jax.jit,
+    static_argnames=("graphdef", "rules", "length", "top", "eos", "steps"),
+    donate_argnames=("cache", "logits", "step", "active"),
+)
+def _decode_chunk(state, cache, logits, step, active, *, graphdef, rules, length, top, eos, steps):
     """``length`` greedy steps of every slot; records statistics and certificates.
 
     A slot records while ``active``; it stops after ``steps`` recorded positions or (with
@@ -199,16 +206,62 @@ def _decode_chunk(graphdef, state, cache, logits, step, active, rules, length, t
 # The engine.
 
 
-_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-_compile_seconds = [0.0]  # XLA compile time of this process so far (jax.monitoring)
+def _usable(encoded: Sequence, options: CertifyOptions) -> tuple[list[int], dict]:
+    """The prompts within the options' token bounds, and the counts of the others.
+
+    Raises:
+      ValueError: no prompt is within them.
+    """
+    low, high = max(1, options.min_prompt_tokens), options.max_prompt_tokens
+    lengths = [len(ids) for ids in encoded]
+    keep = [i for i, n in enumerate(lengths) if n >= low and (high is None or n <= high)]
+    if not keep:
+        raise ValueError(
+            f"no prompt has between {low} and {high or 'any number of'} tokens "
+            f"(shortest: {sorted(lengths)[:5]}, longest: {sorted(lengths)[-5:]})"
+        )
+    counts = {
+        "prompts_given": len(encoded),
+        "prompts_used": len(keep),
+        "prompts_skipped_short": sum(n < low for n in lengths),
+        "prompts_skipped_long": sum(high is not None and n > high for n in lengths),
+    }
+    return keep, counts
 
 
-def _count_compile(event: str, duration: float, **_) -> None:
-    if event == _COMPILE_EVENT:
-        _compile_seconds[0] += duration
+def _share(encoded: Sequence, keep: list[int], skip, part) -> list[int]:
+    """What is left (a resumed run skips what is done), then this part's share of it: the
+    prompts sorted by length, dealt round-robin (whatever the process count was before).
+
+    Raises:
+      ValueError: a bad ``part``, or more parts than prompts.
+    """
+    skip = set(skip)
+    order = [i for i in keep if i not in skip]
+    if part is None:
+        return order
+    index, count = part
+    check_int("part count", count)
+    if not 0 <= index < count:
+        raise ValueError(f"part index must be in [0, {count}), got {index}")
+    if count > len(keep):
+        raise ValueError(f"{count} processes for {len(keep)} prompts: each process needs a prompt")
+    return sorted(sorted(order, key=lambda i: (len(encoded[i]), i))[index::count])
 
 
-jax.monitoring.register_event_duration_secs_listener(_count_compile)
+@dataclasses.dataclass
+class _Slots:
+    """The decoding slots of a run: their device state and which prompt each holds."""
+
+    cache: Any
+    logits: Any
+    step: Any
+    active: Any
+    row_cache: Any  # the one-row cache a prompt is prefilled into
+    owner: list  # prompt index in each slot, or None
+    records: list  # each slot's recorded chunks (column dicts)
+    done: int = 0  # prompts finished
+    positions: int = 0  # positions recorded
 
 
 class Certifier:
@@ -234,7 +287,12 @@ class Certifier:
         in ``skip``, sorted by length, dealt round-robin), with the shapes of the whole run.
       skip: prompt indices not to certify (already done: ``--resume``). The shapes are
         still those of the whole prompt set, so the other rows are unchanged.
-      progress: called with a :class:`Progress` after every prefill and decoding chunk.
+      progress: called with a :class:`Progress` after every prefill and decoding chunk, and
+        before a program compiles.
+      programs: where the run's programs are compiled and kept
+        (:class:`jaxcert.decoding.Programs`; default: the process's,
+        :func:`jaxcert.decoding.default_programs`, shared with the decoders). The time
+        this run spends compiling is ``info["compile_s"]``.
 
     Raises:
       ValueError: no rules, no prompt long enough, prompts plus steps exceed the model's
@@ -252,23 +310,18 @@ class Certifier:
         part: tuple[int, int] | None = None,
         skip: Collection[int] = (),
         progress: Callable[[Progress], None] | None = None,
+        programs: Programs | None = None,
     ):
         self.rules = tuple(rules)
         if not self.rules:
             raise ValueError("no rules given")
         self.lm, self.prompts, self.options = lm, prompts, options
         self.mesh, self.progress = mesh, progress
+        self.programs = default_programs() if programs is None else programs
         self.encoded = encode_prompts(
             lm.tokenizer, prompts, chat=options.chat, system_prompt=options.system_prompt
         )
-        low, high = max(1, options.min_prompt_tokens), options.max_prompt_tokens
-        lengths = [len(ids) for ids in self.encoded]
-        keep = [i for i, n in enumerate(lengths) if n >= low and (high is None or n <= high)]
-        if not keep:
-            raise ValueError(
-                f"no prompt has between {low} and {high or 'any number of'} tokens "
-                f"(shortest: {sorted(lengths)[:5]}, longest: {sorted(lengths)[-5:]})"
-            )
+        keep, counts = _usable(self.encoded, options)
         # Shapes from every usable prompt (not only this part's, nor the ones left to do):
         # each row then has the same numbers in any part, resumed or not.
         longest = max(len(self.encoded[i]) for i in keep)
@@ -278,27 +331,8 @@ class Certifier:
         # Room for the padded last prefill piece and the slot's idle writes after its end.
         self.cache_length = round_up(longest, min(options.prefill_widths)) + options.steps + 1
         self.usable = frozenset(keep)
-        # What is left (a resumed run skips what is done), then this part's share of it: a
-        # resumed run spreads the rest over its processes, whatever their number before.
-        skip = set(skip)
-        order = [i for i in keep if i not in skip]
-        if part is not None:
-            index, count = part
-            check_int("part count", count)
-            if not 0 <= index < count:
-                raise ValueError(f"part index must be in [0, {count}), got {index}")
-            if count > len(keep):
-                raise ValueError(
-                    f"{count} processes for {len(keep)} prompts: each process needs a prompt"
-                )
-            order = sorted(order, key=lambda i: (len(self.encoded[i]), i))[index::count]
-            order.sort()
-        self.order = order
-        self.info = {
-            "prompts_given": len(prompts),
-            "prompts_used": len(keep),
-            "prompts_skipped_short": sum(n < low for n in lengths),
-            "prompts_skipped_long": sum(high is not None and n > high for n in lengths),
+        self.order = _share(self.encoded, keep, skip, part)
+        self.info = counts | {
             "prompts_this_run": len(self.order),
             "slots": self.slots,
             "cache_length": self.cache_length,
@@ -312,7 +346,7 @@ class Certifier:
             "compile_s": 0.0,
         }
         if part is not None:
-            self.info["part"] = {"index": part[0], "count": part[1], "prompts": len(order)}
+            self.info["part"] = {"index": part[0], "count": part[1], "prompts": len(self.order)}
         if mesh is not None:
             self.info["mesh"] = dict(mesh.shape)
 
@@ -328,100 +362,125 @@ class Certifier:
             return jax.tree.map(jnp.asarray, tree)
         return mesh_lib.place(tree, self.mesh, P())
 
-    def _report(self, stage: str, done: int, positions: int) -> None:
+    def _report(self, stage: str, slots: _Slots) -> None:
         if self.progress is not None:
-            self.progress(Progress(stage, done, len(self.order), positions))
+            self.progress(Progress(stage, slots.done, len(self.order), slots.positions))
+
+    def _program(self, fn, args: tuple, static: dict, slots: _Slots):
+        """``fn`` compiled for ``args`` through :attr:`programs` (the time it takes is
+        counted in ``info["compile_s"]``; the progress callback hears of it first)."""
+        before, t0 = self.programs.compiled, time.perf_counter()
+        program = self.programs.compile(fn, args, static, lambda _: self._report("compile", slots))
+        if self.programs.compiled != before:
+            self.info["compile_s"] += time.perf_counter() - t0
+        return program
 
     def __iter__(self) -> Iterator[pa.Table]:
-        compiled_before = _compile_seconds[0]
         try:
             yield from self._run()
         finally:
-            self.info["compile_s"] = round(_compile_seconds[0] - compiled_before, 3)
-            for key in ("prefill_s", "decode_s"):
+            for key in ("prefill_s", "decode_s", "compile_s"):
                 self.info[key] = round(self.info[key], 3)
 
     def _run(self) -> Iterator[pa.Table]:
-        lm, options, info = self.lm, self.options, self.info
         if not self.order:
             return
-        rows, mesh = self.slots, self.mesh
-        graphdef, state = nnx.split(mesh_lib.shard_model(lm.model, mesh))
-        eos = tuple(lm.eos_ids) if options.stop_at_eos else ()
-        dtype = lm.model.dtype
-        cache = models.KVCache.create(lm.config, rows, self.cache_length, dtype=dtype, mesh=mesh)
-        row_cache = models.KVCache.create(lm.config, 1, self.cache_length, dtype=dtype, mesh=mesh)
-        logits = self._place(np.zeros((rows, lm.config.vocab_size), np.float32))
-        step = self._place(np.zeros(rows, np.int32))
-        active = self._place(np.zeros(rows, bool))
+        self._graphdef, self._state = nnx.split(mesh_lib.shard_model(self.lm.model, self.mesh))
+        self._eos = tuple(self.lm.eos_ids) if self.options.stop_at_eos else ()
+        slots = self._empty_slots()
         queue = collections.deque(self.order)
-        owner: list[int | None] = [None] * rows  # prompt index in each slot
-        records: list[list[dict]] = [[] for _ in range(rows)]
-        done = positions = 0
-        first = {"prefill": set(), "decode": False}
-
-        def prefill(slot: int):
-            nonlocal cache, logits, step, active, row_cache
-            index = queue.popleft()
-            ids = np.asarray(self.encoded[index], np.int32)
-            row_cache = row_cache.rollback(self._replicated(np.zeros(1, np.int32)))
-            start = 0
-            t0 = time.perf_counter()
-            for width, count in prefill_pieces(len(ids), options.prefill_widths):
-                if width not in first["prefill"]:
-                    first["prefill"].add(width)
-                    self._report("compile", done, positions)
-                piece = np.zeros((1, width), np.int32)
-                piece[0, :count] = ids[start : start + count]
-                start += count
-                tokens, n = self._replicated((piece, np.int32(count)))
-                row_logits, row_cache = _prefill_piece(graphdef, state, tokens, n, row_cache)
-                info["prefill_tokens"] += count
-                info["prefill_padded_tokens"] += width
-            cache, logits, step, active = _install(
-                cache, logits, step, active, row_cache, row_logits, self._replicated(np.int32(slot))
-            )
-            jax.block_until_ready(logits)
-            info["prefill_s"] += time.perf_counter() - t0
-            owner[slot] = index
-            records[slot] = []
-            self._report("prefill", done, positions)
-
-        for slot in range(rows):
+        for slot in range(self.slots):
             if queue:
-                prefill(slot)
-        while any(o is not None for o in owner):
-            if not first["decode"]:
-                first["decode"] = True
-                self._report("compile", done, positions)
-            t0 = time.perf_counter()
-            cache, logits, step, active, out = _decode_chunk(
-                graphdef, state, cache, logits, step, active, self.rules, options.chunk,
-                options.top, eos, options.steps,
-            )  # fmt: skip
-            out, still = jax.device_get((out, active))
-            info["decode_s"] += time.perf_counter() - t0
-            st, values, was_active, at = out
-            info["decode_slot_steps"] += options.chunk * rows
-            info["decode_active_steps"] += int(was_active.sum())
-            for slot in range(rows):
-                if owner[slot] is None:
-                    continue
-                keep = was_active[:, slot]
-                if keep.any():
-                    records[slot].append(_columns(st, values, at, slot, keep, self.rules, options))
-                    positions += int(keep.sum())
-            finished = [s for s in range(rows) if owner[s] is not None and not still[s]]
+                self._prefill(slots, slot, queue.popleft())
+        while any(o is not None for o in slots.owner):
+            finished = self._record(slots, *self._decode(slots))
             for slot in finished:
-                table = self._table(owner[slot], records[slot])
-                owner[slot], records[slot] = None, []
-                done += 1
-                info["positions"] += table.num_rows
-                yield table
-            self._report("decode", done, positions)
+                yield self._finish(slots, slot)
+            self._report("decode", slots)
             for slot in finished:
                 if queue:
-                    prefill(slot)
+                    self._prefill(slots, slot, queue.popleft())
+
+    def _empty_slots(self) -> _Slots:
+        lm, rows = self.lm, self.slots
+
+        def cache(rows):
+            return models.KVCache.create(
+                lm.config, rows, self.cache_length, dtype=lm.model.dtype, mesh=self.mesh
+            )
+
+        return _Slots(
+            cache=cache(rows),
+            logits=self._place(np.zeros((rows, lm.config.vocab_size), np.float32)),
+            step=self._place(np.zeros(rows, np.int32)),
+            active=self._place(np.zeros(rows, bool)),
+            row_cache=cache(1),
+            owner=[None] * rows,
+            records=[[] for _ in range(rows)],
+        )
+
+    def _prefill(self, slots: _Slots, slot: int, index: int) -> None:
+        """Prefills prompt ``index`` piece by piece into the one-row cache, then installs it
+        in ``slot``, which starts decoding at the next chunk."""
+        info = self.info
+        ids = np.asarray(self.encoded[index], np.int32)
+        slots.row_cache = slots.row_cache.rollback(self._replicated(np.zeros(1, np.int32)))
+        start, t0 = 0, time.perf_counter()
+        for width, count in prefill_pieces(len(ids), self.options.prefill_widths):
+            piece = np.zeros((1, width), np.int32)
+            piece[0, :count] = ids[start : start + count]
+            start += count
+            args = (self._state, *self._replicated((piece, np.int32(count))), slots.row_cache)
+            program = self._program(_prefill_piece, args, {"graphdef": self._graphdef}, slots)
+            row_logits, slots.row_cache = program(*args)
+            info["prefill_tokens"] += count
+            info["prefill_padded_tokens"] += width
+        args = (slots.cache, slots.logits, slots.step, slots.active, slots.row_cache, row_logits,
+                self._replicated(np.int32(slot)))  # fmt: skip
+        slots.cache, slots.logits, slots.step, slots.active = self._program(
+            _install, args, {}, slots
+        )(*args)
+        jax.block_until_ready(slots.logits)
+        info["prefill_s"] += time.perf_counter() - t0
+        slots.owner[slot], slots.records[slot] = index, []
+        self._report("prefill", slots)
+
+    def _decode(self, slots: _Slots):
+        """One chunk of greedy steps of every slot: the recorded statistics and
+        certificates, and which slots are still active (host arrays)."""
+        options = self.options
+        static = {"graphdef": self._graphdef, "rules": self.rules, "length": options.chunk,
+                  "top": options.top, "eos": self._eos, "steps": options.steps}  # fmt: skip
+        t0 = time.perf_counter()
+        args = (self._state, slots.cache, slots.logits, slots.step, slots.active)
+        program = self._program(_decode_chunk, args, static, slots)
+        slots.cache, slots.logits, slots.step, slots.active, out = program(*args)
+        out, still = jax.device_get((out, slots.active))
+        self.info["decode_s"] += time.perf_counter() - t0
+        return out, still
+
+    def _record(self, slots: _Slots, out, still) -> list[int]:
+        """Keeps each slot's recorded positions of a chunk; returns the slots that finished."""
+        st, values, was_active, at = out
+        self.info["decode_slot_steps"] += self.options.chunk * self.slots
+        self.info["decode_active_steps"] += int(was_active.sum())
+        for slot in range(self.slots):
+            if slots.owner[slot] is None:
+                continue
+            keep = was_active[:, slot]
+            if keep.any():
+                columns = _columns(st, values, at, slot, keep, self.rules, self.options)
+                slots.records[slot].append(columns)
+                slots.positions += int(keep.sum())
+        return [s for s in range(self.slots) if slots.owner[s] is not None and not still[s]]
+
+    def _finish(self, slots: _Slots, slot: int) -> pa.Table:
+        """The table of the prompt that finished in ``slot``, which is then free."""
+        table = self._table(slots.owner[slot], slots.records[slot])
+        slots.owner[slot], slots.records[slot] = None, []
+        slots.done += 1
+        self.info["positions"] += table.num_rows
+        return table
 
     def _table(self, index: int, parts: list[dict]) -> pa.Table:
         """A finished prompt's positions (a slot records its first step: never empty)."""
