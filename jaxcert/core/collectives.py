@@ -242,6 +242,7 @@ def _spec_of(x) -> tuple[Any, tuple] | None:
         mesh, spec = x.sharding.mesh, x.sharding.spec
     if mesh is None:
         return None
+    assert spec is not None  # set together with mesh
     entries = tuple(spec) + (None,) * (x.ndim - len(spec))
     entries = tuple(None if e is P.UNCONSTRAINED else e for e in entries)
     if all(e is None for e in entries):

@@ -105,10 +105,10 @@ def _project(p: np.ndarray, upper: np.ndarray, competitor: np.ndarray):
             it += 1
         else:
             break
-    pool = np.sort(np.array(pool, dtype=np.int64))
-    value = float(np.sum(c * stable_h(p[pool] / c)))
-    q[pool] = c
-    return value, pool, c, q
+    members = np.sort(np.array(pool, dtype=np.int64))
+    value = float(np.sum(c * stable_h(p[members] / c)))
+    q[members] = c
+    return value, members, c, q
 
 
 def certificate_np(p: np.ndarray, rule) -> ReferenceResult:
