@@ -119,7 +119,7 @@ def tokenizer_from_gguf(metadata: Mapping[str, Any]):
         return None if i is None or not 0 <= i < len(tokens) else tokens[i]
 
     bos, eos = token("bos"), token("eos")
-    post = [processors.ByteLevel(trim_offsets=False)]
+    post: list[processors.PostProcessor] = [processors.ByteLevel(trim_offsets=False)]
     add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
     add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
     if add_bos or add_eos:

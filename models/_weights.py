@@ -57,7 +57,7 @@ def hf_layout(config: ModelConfig) -> dict[str, tuple[tuple, tuple[int, ...]]]:
     c = config
     e, f, d = c.hidden_size, c.intermediate_size, c.head_dim
     h, g = c.num_heads, c.num_kv_heads
-    out = {
+    out: dict[str, tuple[tuple, tuple[int, ...]]] = {
         "model.embed_tokens.weight": (("embedding",), (c.vocab_size, e)),
         "model.norm.weight": (("norm", "scale"), (e,)),
     }
@@ -146,7 +146,7 @@ def model_from_tensors(
             array = jnp.asarray(np.asarray(value), dtype=dtype)
             array = array.T if transpose else array
         else:
-            where = targets
+            where: Any = targets  # nested dicts down to the NamedSharding
             for key in path:
                 where = where[key]
             array = sharding_lib.place(np.asarray(value), where, dtype, transpose=transpose)

@@ -147,6 +147,7 @@ class ModelConfig:
         heads = d["num_attention_heads"]
         bias = bool(d.get("attention_bias", False))
         eos = d.get("eos_token_id")
+        theta = rope["rope_theta"] if "rope_theta" in rope else d.get("rope_theta", 10_000.0)
         return cls(
             architecture=arch,
             vocab_size=d["vocab_size"],
@@ -156,7 +157,7 @@ class ModelConfig:
             num_heads=heads,
             num_kv_heads=d.get("num_key_value_heads") or heads,
             head_dim=d.get("head_dim") or d["hidden_size"] // heads,
-            rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10_000.0))),
+            rope_theta=float(theta),
             rope_layout="half",
             rms_norm_eps=float(d["rms_norm_eps"]),
             qkv_bias=True if arch == "qwen2" else bias,

@@ -35,6 +35,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
+from typing import Any, Protocol, TypeGuard
 
 import jax
 import numpy as np
@@ -140,9 +141,12 @@ def logical_spec(
     table = dict(rules)
     units = units or {}
     used: set[str] = set()
-    entries = []
+    entries: list[str | tuple[str, ...] | None] = []
     for name, size in zip(names, shape, strict=True):
-        axes = table.get(name) if name is not None else None
+        if name is None:
+            entries.append(None)
+            continue
+        axes = table.get(name)
         axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
         axes = tuple(a for a in axes if a in mesh.shape and a not in used)
         n = math.prod(mesh.shape[a] for a in axes)
@@ -206,7 +210,14 @@ def axis_names(variable: nnx.Variable) -> tuple | None:
     return tuple(names) if names else None
 
 
-def _is_model(module) -> bool:
+class _Model(Protocol):
+    """What `_is_model` looks for: a ``layout`` slot and a ``config`` with head counts."""
+
+    layout: Layout | None
+    config: Any
+
+
+def _is_model(module: object) -> TypeGuard[_Model]:
     """A `Transformer` (duck-typed: a ``layout`` slot and a ``config`` with head counts)."""
     return hasattr(module, "layout") and hasattr(getattr(module, "config", None), "num_kv_heads")
 
@@ -280,8 +291,9 @@ def mesh_of(tree) -> Mesh | None:
     """The mesh of the first array in `tree` that lives on more than one device, or None."""
     for leaf in jax.tree.leaves(tree):
         sharding = getattr(leaf, "sharding", None)
-        if isinstance(sharding, NamedSharding) and sharding.mesh.size > 1:
-            return sharding.mesh
+        mesh = sharding.mesh if isinstance(sharding, NamedSharding) else None
+        if isinstance(mesh, Mesh) and mesh.size > 1:  # a concrete array's mesh is a Mesh
+            return mesh
     return None
 
 
