@@ -137,7 +137,7 @@ class LogprobRecords(NamedTuple):
       counts: what was dropped or skipped (:class:`RecordCounts`).
     """
 
-    index: dict[str, np.ndarray]
+    index: dict[str, np.ndarray]  # type: ignore[assignment]  # the field shadows tuple.index
     logprobs: np.ndarray
     counts: RecordCounts
 
@@ -217,7 +217,7 @@ def _completions(lp: dict) -> list[_Position]:
     tops = lp.get("top_logprobs") or []
     tokens = lp.get("tokens") or []
     values = lp.get("token_logprobs") or []
-    out = []
+    out: list[_Position] = []
     for t, top in enumerate(tops):
         sampled = _UNKNOWN  # listed "up to logprobs + 1": the least entry may be the extra
         if t < len(tokens) and isinstance(tokens[t], str):
@@ -324,17 +324,17 @@ def top_window(
     if not entries or any(e.logprob is None or math.isnan(e.logprob) for e in entries):
         counts.missing_positions += 1
         return None
-    if any(e.logprob > LOGPROB_TOLERANCE for e in entries):
-        worst = max(e.logprob for e in entries)
+    if any(_value(e) > LOGPROB_TOLERANCE for e in entries):
+        worst = max(_value(e) for e in entries)
         raise ValueError(
             f"a log-probability above 0 ({worst:g}): pass the engine's logprobs, not logits"
         )
     kept: list[_Entry] = []
-    for e in sorted(entries, key=lambda e: -e.logprob):  # stable: listed order among equals
-        if e.logprob <= SENTINEL_LOGPROB:
+    for e in sorted(entries, key=lambda e: -_value(e)):  # stable: listed order among equals
+        if _value(e) <= SENTINEL_LOGPROB:
             counts.sentinel_entries += 1
             continue
-        if any(k.same_token(e) and k.logprob == e.logprob for k in kept):
+        if any(k.same_token(e) and _value(k) == _value(e) for k in kept):
             if not _ambiguous(e, entries):
                 counts.duplicates_removed += 1
                 continue
@@ -349,16 +349,16 @@ def top_window(
     if sampled is not None and kept:
         s = _listed_sampled(kept, sampled)
         if s is not None:
-            others = [e.logprob for e in kept if e is not s]
-            if not others or s.logprob < min(others):
-                unseen = 1.0 - math.fsum(math.exp(e.logprob) for e in kept)
-                if not math.exp(s.logprob) > unseen + _MASS_TOLERANCE:
+            others = [_value(e) for e in kept if e is not s]
+            if not others or _value(s) < min(others):
+                unseen = 1.0 - math.fsum(math.exp(_value(e)) for e in kept)
+                if not math.exp(_value(s)) > unseen + _MASS_TOLERANCE:
                     kept.remove(s)
                     counts.sampled_dropped += 1
     if not kept:
         counts.missing_positions += 1
         return None
-    return [e.logprob for e in kept]
+    return [_value(e) for e in kept]
 
 
 def _listed_sampled(kept: list[_Entry], sampled: _Entry) -> _Entry | None:
@@ -369,17 +369,23 @@ def _listed_sampled(kept: list[_Entry], sampled: _Entry) -> _Entry | None:
         named = [e for e in kept if e.same_token(sampled)]
         if named:
             if sampled.logprob is not None:
-                close = [e for e in named if _close(e.logprob, sampled.logprob)]
+                close = [e for e in named if _close(_value(e), sampled.logprob)]
                 if close:
                     return close[-1]
             return named[-1]  # the least of the entries spelt like it
     if sampled.logprob is not None:  # by value (a spelling that may stand for several)
-        close = [e for e in kept if _close(e.logprob, sampled.logprob)]
+        close = [e for e in kept if _close(_value(e), sampled.logprob)]
         if close:
             return close[-1]
     if sampled.text is not None and "\ufffd" in sampled.text:
         return kept[-1]  # spelt like any byte token, value unknown: the least could be it
     return None
+
+
+def _value(e: _Entry) -> float:
+    """``e.logprob`` of a listed entry of a window (`top_window` checked it is given)."""
+    assert e.logprob is not None
+    return e.logprob
 
 
 def _close(a: float, b: float) -> bool:
@@ -491,7 +497,7 @@ def _read(lines: Iterable[tuple[int, Any]], label: str, counts: RecordCounts) ->
     logprobs = np.full((len(rows), width), -np.inf)
     for i, r in enumerate(rows):
         logprobs[i, : len(r)] = r
-    columns = {
+    columns: dict[str, np.ndarray] = {
         "record": np.asarray(index["record"], np.int64),
         "choice": np.asarray(index["choice"], np.int32),
         "position": np.asarray(index["position"], np.int32),
