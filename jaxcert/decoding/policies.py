@@ -28,6 +28,7 @@ where its token budget ends.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -253,6 +254,10 @@ class PolicyParams:
     c: jax.Array
     lam: jax.Array
     beta: jax.Array
+
+    if TYPE_CHECKING:  # struct.dataclass adds it at run time, out of mypy's sight
+
+        def replace(self, **updates: Any) -> PolicyParams: ...
 
     @classmethod
     def from_policy(cls, policy: Policy) -> PolicyParams:
