@@ -339,13 +339,8 @@ class Transformer(nnx.Module):
         On a mesh the logits stay split over the vocabulary (``model``) and the leading axis
         over the batch (``data``).
         """
-        if self.lm_head is None:
-            w, spec = self.embedding[...], "...E,VE->...V"
-        else:
-            w, spec = self.lm_head[...], "...E,EV->...V"
-        logits = jnp.einsum(spec, hidden.astype(w.dtype), w, preferred_element_type=jnp.float32)
-        lead = ("batch",) + (None,) * (logits.ndim - 2) if logits.ndim > 1 else ()
-        return constrain(self.layout, logits, lead + ("vocab",))
+        weights = self.embedding if self.lm_head is None else self.lm_head
+        return lm_head_logits(hidden, weights[...], tied=self.lm_head is None, layout=self.layout)
 
     def _check(self, tokens, cache, positions, attention_mask):
         c = self.config
@@ -373,6 +368,26 @@ class Transformer(nnx.Module):
                 f"{attention_mask.shape} {attention_mask.dtype}."
             )
         return b, t, positions, attention_mask
+
+
+def lm_head_logits(
+    hidden: jax.Array, weights: jax.Array, *, tied: bool, layout: Layout | None = None
+) -> jax.Array:
+    """`[..., E]` hidden states -> `[..., V]` float32 logits (accumulated in float32).
+
+    Args:
+      hidden: `[..., E]` final-norm hidden states (cast to the weights' dtype).
+      weights: the embedding `[V, E]` when `tied`, else the lm_head `[E, V]`.
+      tied: which of the two `weights` is.
+      layout: a model's `Layout` on a mesh (logits split over the vocabulary and the leading
+        axis over the batch), or `None`.
+    """
+    spec = "...E,VE->...V" if tied else "...E,EV->...V"
+    logits = jnp.einsum(
+        spec, hidden.astype(weights.dtype), weights, preferred_element_type=jnp.float32
+    )
+    lead = ("batch",) + (None,) * (logits.ndim - 2) if logits.ndim > 1 else ()
+    return constrain(layout, logits, lead + ("vocab",))
 
 
 def forward(

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxcert.models import Transformer
+from jaxcert.models.transformer import lm_head_logits
 
 if TYPE_CHECKING:
     from jaxcert.models import KVCache, ModelConfig
@@ -91,25 +92,22 @@ class HeadedDrafter(nnx.Module):
 
 
 class Projection(nnx.Module):
-    """Only the lm_head of a model: ``models.Transformer.project`` without the trunk.
+    """Only the lm_head of a model (``project`` and ``config``): frees the trunk's memory.
 
-    Keeps the attributes ``Transformer.project`` reads (``embedding`` when the model ties
-    its embeddings, else ``lm_head``; the other one is ``None``, so the trunk's and the
-    unused matrix's memory are freed) plus ``layout`` and ``config``, and :meth:`project`
-    runs ``Transformer.project`` itself on them: one lm_head, not a copy of it.
+    :meth:`project` is ``models.Transformer.project``'s own computation
+    (``models.transformer.lm_head_logits``) on the kept matrix.
     """
 
     def __init__(self, model: Transformer) -> None:
-        tied = model.lm_head is None
-        self.embedding = nnx.Param(model.embedding[...]) if tied else None  # [V, E]
-        self.lm_head = None if model.lm_head is None else nnx.Param(model.lm_head[...])  # [E, V]
+        self.tied = model.lm_head is None
+        weights = model.embedding if model.lm_head is None else model.lm_head
+        self.weights = nnx.Param(weights[...])  # [V, E] tied, else [E, V]
         self.layout = model.layout
         self.config = model.config
 
     def project(self, hidden: jax.Array) -> jax.Array:
         """``[..., E]`` final-norm hidden states -> ``[..., V]`` float32 logits (the model's)."""
-        # Duck-typed: the method reads only the attributes set in __init__.
-        return Transformer.project(cast(Transformer, self), hidden)
+        return lm_head_logits(hidden, self.weights[...], tied=self.tied, layout=self.layout)
 
 
 def project(graphdef: nnx.GraphDef, params: nnx.State, hidden: jax.Array) -> jax.Array:
