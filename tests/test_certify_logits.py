@@ -312,3 +312,19 @@ def test_dense_dump_shapes_invalid_rows_and_stale_partials(tmp_path, capsys):
     assert table.num_rows == 200 and (~np.asarray(table["valid"])).sum() == 1
     want = jaxcert.certificates(jnp.asarray(x[0, :50]), (R.StrictGreedy(),))[0].value
     np.testing.assert_allclose(table["cert_greedy"].to_numpy()[:50], want, rtol=1e-6)
+
+
+def test_a_failure_keeps_what_was_certified_in_the_partial_file(tmp_path):
+    x = np.random.default_rng(0).normal(size=(5, 8)).astype(np.float32)
+
+    def tables():
+        yield pa.table({"row": np.arange(5), **certify_logits.certify_dense(x, RULES)})
+        raise RuntimeError("disk gone")
+
+    kept = []
+    with pytest.raises(RuntimeError, match="disk gone"):
+        certify_logits.write_certificates(tmp_path / "o", tables(), kept=lambda *a: kept.append(a))
+    partial = tmp_path / "o" / certify_logits.PARTIAL
+    assert kept == [(5, partial)] and pq.read_table(partial).num_rows == 5
+    assert not (tmp_path / "o" / certify_logits.CERTIFICATES).exists()
+    assert not list((tmp_path / "o").glob(".*tmp*"))

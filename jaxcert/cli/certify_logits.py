@@ -4,17 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
-import re
 import sys
 import textwrap
 import time
-
-import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
-from tqdm import tqdm
 
 from jaxcert.cli import DEFAULT_RULES
 from jaxcert.cli._common import rules_arg
@@ -84,24 +77,21 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    import pyarrow.parquet as pq
+
     from jaxcert.core.rules import parse_rules
+    from jaxcert.pipeline import logits as certify_logits
 
     rules = parse_rules(args.rules)
     out = args.out
-    target = out / "certificates.parquet"
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} is a file, not a folder")
-    if target.exists() and not args.overwrite:
-        raise ValueError(f"{target} exists; pass --overwrite to replace it or choose another --out")
+    target = certify_logits.check_output(out, overwrite=args.overwrite)
     started = time.perf_counter()
     dense = args.input.suffix in (".npy", ".safetensors")
-    if dense:
-        notes, extra = _write(out, _dense_chunks(args, rules)), {}
-    else:
-        notes, extra = _certify_records(args, rules, out)
-    text = _summary(
-        pq.read_table(target), rules, args.input.name, dense, notes, args.vocab_size is not None
-    )
+    notes, extra = _certify_dense(args, rules) if dense else _certify_records(args, rules)
+    text = certify_logits.summary_markdown(
+        pq.read_table(target), rules, name=args.input.name, dense=dense, notes=notes,
+        vocab_given=args.vocab_size is not None,
+    )  # fmt: skip
     (out / "summary.md").write_text(text)
     meta = {
         "command": " ".join(sys.argv),
@@ -119,129 +109,41 @@ def run(args) -> int:
     return 0
 
 
-def _dense_chunks(args, rules):
-    """Certified chunks of a dense dump (tables), streamed."""
+def _kept(rows: int, path: pathlib.Path) -> None:
+    print(f"[jaxcert] failed; {rows} positions saved in {path}", file=sys.stderr)
+
+
+def _certify_dense(args, rules) -> tuple[list[str], dict]:
+    """Certifies a dense dump into ``--out``, streamed, with a progress bar."""
+    from tqdm import tqdm
+
     from jaxcert.pipeline import logits as certify_logits
 
-    chunks = certify_logits.iter_dense_file(
-        args.input, chunk_rows=args.chunk_rows, tensor=args.tensor, vocab_size=args.vocab_size
-    )
+    tables = certify_logits.certify_dense_file(
+        args.input, rules, chunk_rows=args.chunk_rows, tensor=args.tensor,
+        vocab_size=args.vocab_size,
+    )  # fmt: skip
     with tqdm(unit="pos", desc="certify-logits", file=sys.stderr, dynamic_ncols=True) as bar:
-        for index, logits in chunks:
-            yield pa.table({**index, **certify_logits.certify_dense(logits, rules)})
-            bar.update(len(logits))
+
+        def shown(tables):
+            for table in tables:
+                yield table
+                bar.update(table.num_rows)
+
+        invalid = certify_logits.write_certificates(args.out, shown(tables), kept=_kept)
+    if invalid:
+        print(f"[jaxcert] {len(invalid)} row(s) hold NaN or +inf logits, or no finite logit "
+              f"(valid = false, certificates nan): {certify_logits.row_list(invalid)}",
+              file=sys.stderr)  # fmt: skip
+    return certify_logits.summary_notes(invalid=invalid), {}
 
 
-def _certify_records(args, rules, out: pathlib.Path) -> tuple[list[str], dict]:
+def _certify_records(args, rules) -> tuple[list[str], dict]:
+    """Certifies a file of engine responses into ``--out``."""
     from jaxcert.pipeline import logits as certify_logits
 
-    records = certify_logits.read_logprob_records(args.input, skip_bad_lines=args.skip_bad_lines)
-    try:
-        columns = certify_logits.certify_top_logprobs(
-            records.logprobs, rules, vocab_size=args.vocab_size
-        )
-    except ValueError as err:  # "row N: ..." names a window: name the record's line instead
-        found = re.match(r"row (\d+)(.*)", str(err), re.S)
-        if found is None:
-            raise
-        i, index = int(found.group(1)), records.index
-        raise ValueError(
-            f"{args.input}:{index['record'][i] + 1} (choice {index['choice'][i]}, position "
-            f"{index['position'][i]}){found.group(2)}"
-        ) from None
-    _write(out, [pa.table({**records.index, **columns})])
-    counts = records.counts.as_dict()
-    notes = [f"{_COUNT_NOTES[k]}: {v}" for k, v in counts.items() if k in _COUNT_NOTES and v]
-    return notes, {"records": counts}
-
-
-_COUNT_NOTES = {
-    "missing_positions": "positions without log-probabilities (null or empty lists), skipped",
-    "duplicates_removed": "duplicated entries removed",
-    "sampled_dropped": "sampled tokens left out of the window (possibly appended below the "
-    "true top N)",
-    "sentinel_entries": "sentinel entries (logprob <= -9999) left out",
-    "bad_lines_skipped": "unreadable lines skipped",
-}
-
-
-def _write(out: pathlib.Path, tables) -> list[str]:
-    """Writes the tables into ``out/certificates.parquet`` atomically; on failure keeps
-    what was certified in ``certificates.partial.parquet``. Returns notes on invalid rows."""
-    target = out / "certificates.parquet"
-    partial = out / "certificates.partial.parquet"
-    tmp = out / f".certificates.parquet.tmp-{os.getpid()}"
-    writer, rows, invalid = None, 0, []
-    try:
-        for table in tables:
-            if writer is None:
-                out.mkdir(parents=True, exist_ok=True)
-                writer = pq.ParquetWriter(tmp, table.schema)
-            writer.write_table(table)
-            if "valid" in table.column_names:
-                bad = np.flatnonzero(~table["valid"].to_numpy(zero_copy_only=False))
-                invalid += [_row_name(table, int(i)) for i in bad]
-            rows += table.num_rows
-        writer.close()
-        os.replace(tmp, target)
-        partial.unlink(missing_ok=True)  # an earlier failed run's rows are superseded
-    except BaseException:
-        if writer is not None:
-            writer.close()
-            if rows:  # keep what was certified
-                os.replace(tmp, partial)
-                print(f"[jaxcert] failed; {rows} positions saved in {partial}", file=sys.stderr)
-        raise
-    if not invalid:
-        return []
-    shown = ", ".join(invalid[:5]) + (", ..." if len(invalid) > 5 else "")
-    print(f"[jaxcert] {len(invalid)} row(s) hold NaN or +inf logits, or no finite logit "
-          f"(valid = false, certificates nan): {shown}", file=sys.stderr)  # fmt: skip
-    return [f"rows that are no distribution (NaN or +inf logits, or none finite; valid = "
-            f"false, certificates nan): {len(invalid)}: {shown}"]  # fmt: skip
-
-
-def _row_name(table: pa.Table, i: int) -> str:
-    if "sequence" in table.column_names:
-        return f"(sequence {table['sequence'][i].as_py()}, position {table['position'][i].as_py()})"
-    return f"row {table['row'][i].as_py()}"
-
-
-def _summary(
-    table: pa.Table, rules, name: str, dense: bool, notes: list[str], vocab_given: bool
-) -> str:
-    from jaxcert.pipeline import logits as certify_logits
-    from jaxcert.pipeline import report as certify_report
-
-    text = f"## Positions: {table.num_rows} ({name})\n\n"
-    if notes:
-        text += "".join(f"- {n}\n" for n in notes) + "\n"
-    if not dense:
-        k = table["k"].to_numpy()
-        shares, hints = [], []
-        for r in rules:
-            det = table[certify_logits.determined_column(r)].to_numpy(zero_copy_only=False)
-            shares.append(f"{r.spec} {np.mean(det):.1%}")
-            if not det.all():
-                hints.append(f"- {r.spec}: {_needed_k(r, vocab_given)}")
-        text += f"Determined by the top-K window (share of positions): {', '.join(shares)}\n\n"
-        text += f"Entries per position: K = {k.min()} to {k.max()} (median {np.median(k):g}).\n\n"
-        if hints:
-            text += "Where a certificate is not determined:\n\n" + "\n".join(hints) + "\n\n"
-        text += "Statistics over the determined positions:\n\n"
-    summary = certify_report.summarize_positions(
-        table, [certify_report.rule_column(r) for r in rules]
+    table, counts = certify_logits.certify_records(
+        args.input, rules, vocab_size=args.vocab_size, skip_bad_lines=args.skip_bad_lines
     )
-    return text + certify_report.markdown_table(summary) + "\n"
-
-
-def _needed_k(rule, vocab_given: bool) -> str:
-    """What top-list length determines ``rule`` (``docs/certificates.md`` §9)."""
-    if rule.static_upper_size is not None:
-        need = rule.static_upper_size + rule.list_size
-        return f"needs K >= {need} entries per position (request top_logprobs >= {need})"
-    return (
-        f"needs the window to reach a token below the rule's threshold and |U| + "
-        f"{rule.list_size} tokens: request a longer top_logprobs"
-        + (" and pass --vocab-size" if rule.needs_entropy and not vocab_given else "")
-    )
+    certify_logits.write_certificates(args.out, [table], kept=_kept)
+    return certify_logits.summary_notes(counts=counts), {"records": counts}

@@ -38,11 +38,14 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 from collections.abc import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from jaxcert.core import rules as rules_lib
 from jaxcert.core import solver
@@ -51,13 +54,22 @@ from jaxcert.pipeline.records import LOGPROB_TOLERANCE, read_logprob_records
 from jaxcert.pipeline.report import rule_column
 
 __all__ = [
+    "CERTIFICATES",
+    "PARTIAL",
     "certify_dense",
+    "certify_dense_file",
+    "certify_records",
     "certify_top_logprobs",
+    "check_output",
     "determined_column",
     "entropy_bounds",
     "iter_dense_file",
     "read_logprob_records",
+    "row_list",
     "stack_generate_logits",
+    "summary_markdown",
+    "summary_notes",
+    "write_certificates",
 ]
 
 
@@ -282,6 +294,68 @@ def _window_values(top_x, entropy, rule, vocab: int) -> np.ndarray:
     return np.asarray(value, np.float64)[:n]
 
 
+def _windows(logprobs, vocab_size):
+    """The top-``K`` windows checked and sorted: ``(x, k, p)``, the log-probabilities
+    (decreasing, missing entries ``-inf`` last, clipped at 0), the entries per row and the
+    probabilities. Raises ``ValueError`` as :func:`certify_top_logprobs`."""
+    x = np.asarray(logprobs, np.float64)
+    if x.ndim != 2 or x.shape[1] < 1:
+        raise ValueError(f"top log-probabilities must be [N, K], got shape {x.shape}")
+    x = np.where(np.isnan(x), -np.inf, x)
+    x = -np.sort(-x, axis=-1)  # decreasing; missing entries (-inf) last
+    k = np.sum(np.isfinite(x), -1)
+    if x.shape[0] and k.min() < 1:
+        raise ValueError(f"row {int(np.argmin(k))} has no log-probability")
+    if vocab_size is not None:
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, (int, np.integer)):
+            raise ValueError(f"vocab_size must be an integer, got {vocab_size!r}")
+        if x.shape[0] and not int(k.max()) <= vocab_size < 2**31:
+            raise ValueError(
+                f"vocab_size={vocab_size} is below the {int(k.max())} log-probabilities of a "
+                "row (or above 2**31)"
+            )
+    raw = np.exp(x)
+    x = np.minimum(x, 0.0)
+    bad = (raw[:, 0] > np.exp(LOGPROB_TOLERANCE)) | (raw.sum(-1) > 1 + LOGPROB_TOLERANCE)
+    if bad.any():
+        raise ValueError(
+            f"row {int(np.flatnonzero(bad)[0])}: these are not log-probabilities (a value "
+            "above 0 or a total probability above 1); pass the engine's logprobs, not logits"
+        )
+    return x, k, np.exp(x)
+
+
+def _rule_window(rule, top_x, k, h_lo, h_hi, vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(value, determined)`` of one rule over the windows (``value`` is ``nan`` where
+    the window does not determine it)."""
+    m = rule.list_size
+    log_p_max = top_x[:, 0]
+    if rule.static_upper_size is not None:
+        size = min(rule.static_upper_size, vocab)
+        determined = (size + m <= k) | (k >= vocab)
+        value = _window_values(top_x, np.zeros(len(k), np.float32), rule, vocab)
+        return np.where(determined, value, np.nan), np.asarray(determined, bool)
+    positions = np.arange(top_x.shape[1])
+    counts = []
+    for h in (h_lo, h_hi) if rule.needs_entropy else (h_lo,):
+        member = rules_lib.in_upper_set(
+            rule, top_x - log_p_max[:, None], log_p_max[:, None],
+            jnp.asarray(h, jnp.float32)[:, None],
+        )  # fmt: skip
+        member = np.asarray(member) & (positions[None, :] < k[:, None])
+        counts.append(member.sum(-1))
+    upper_lo, upper_hi = counts[0], counts[-1]
+    determined = (upper_lo == upper_hi) & ((upper_lo + m <= k) | (k >= vocab))
+    # A threshold at or below 0 (additive with p(x0) <= t) puts every token in U:
+    # rejection is impossible whatever the tail holds.
+    everything = np.asarray(
+        rules_lib.in_upper_set(rule, -jnp.inf, log_p_max, jnp.asarray(h_hi, jnp.float32))
+    )
+    determined = determined | everything
+    value = np.where(everything, np.inf, _window_values(top_x, h_lo, rule, vocab))
+    return np.where(determined, value, np.nan), np.asarray(determined, bool)
+
+
 def certify_top_logprobs(
     logprobs, rules: Sequence, *, vocab_size: int | None = None
 ) -> dict[str, np.ndarray]:
@@ -304,36 +378,10 @@ def certify_top_logprobs(
       ValueError: not ``[N, K]``, a row without entries, or values that are not
         log-probabilities (above 0, or summing past 1), naming the row.
     """
-    x = np.asarray(logprobs, np.float64)
-    if x.ndim != 2 or x.shape[1] < 1:
-        raise ValueError(f"top log-probabilities must be [N, K], got shape {x.shape}")
-    x = np.where(np.isnan(x), -np.inf, x)
-    x = -np.sort(-x, axis=-1)  # decreasing; missing entries (-inf) last
-    k = np.sum(np.isfinite(x), -1)
-    if x.shape[0] and k.min() < 1:
-        raise ValueError(f"row {int(np.argmin(k))} has no log-probability")
-    if vocab_size is not None:
-        if isinstance(vocab_size, bool) or not isinstance(vocab_size, (int, np.integer)):
-            raise ValueError(f"vocab_size must be an integer, got {vocab_size!r}")
-        if x.shape[0] and not int(k.max()) <= vocab_size < 2**31:
-            raise ValueError(
-                f"vocab_size={vocab_size} is below the {int(k.max())} log-probabilities of a "
-                "row (or above 2**31)"
-            )
-    raw = np.exp(x)
-    x = np.minimum(x, 0.0)
-    p = np.exp(x)
-    bad = (raw[:, 0] > np.exp(LOGPROB_TOLERANCE)) | (raw.sum(-1) > 1 + LOGPROB_TOLERANCE)
-    if bad.any():
-        raise ValueError(
-            f"row {int(np.flatnonzero(bad)[0])}: these are not log-probabilities (a value "
-            "above 0 or a total probability above 1); pass the engine's logprobs, not logits"
-        )
+    x, k, p = _windows(logprobs, vocab_size)
     h_lo, h_hi = entropy_bounds(p, vocab_size)
     vocab = vocab_size if vocab_size is not None else 2**30
     window = x.shape[1]
-    top_x = jnp.asarray(x, jnp.float32)
-    log_p_max = top_x[:, 0]
     out = {
         "k": k.astype(np.int32),
         "top1": p[:, 0],
@@ -344,36 +392,188 @@ def certify_top_logprobs(
     }
     if window > 1:
         out["margin"] = np.where(k > 1, out["margin"], np.nan)
-    positions = np.arange(window)
+    top_x = jnp.asarray(x, jnp.float32)
     for rule in rules:
-        m = rule.list_size
-        upper_lo = upper_hi = None
-        if rule.static_upper_size is not None:
-            size = min(rule.static_upper_size, vocab)
-            determined = (size + m <= k) | (k >= vocab)
-            entropy = None
-        else:
-            counts = []
-            for h in (h_lo, h_hi) if rule.needs_entropy else (h_lo,):
-                member = rules_lib.in_upper_set(
-                    rule, top_x - log_p_max[:, None], log_p_max[:, None],
-                    jnp.asarray(h, jnp.float32)[:, None],
-                )  # fmt: skip
-                member = np.asarray(member) & (positions[None, :] < k[:, None])
-                counts.append(member.sum(-1))
-            upper_lo, upper_hi = counts[0], counts[-1]
-            determined = (upper_lo == upper_hi) & ((upper_lo + m <= k) | (k >= vocab))
-            entropy = h_lo
-            # A threshold at or below 0 (additive with p(x0) <= t) puts every token in U:
-            # rejection is impossible whatever the tail holds.
-            everything = np.asarray(
-                rules_lib.in_upper_set(rule, -jnp.inf, log_p_max, jnp.asarray(h_hi, jnp.float32))
-            )
-            determined = determined | everything
-        h = np.zeros(len(x), np.float32) if entropy is None else entropy
-        value = _window_values(top_x, h, rule, vocab)
-        if rule.static_upper_size is None:
-            value = np.where(everything, np.inf, value)
-        out[rule_column(rule)] = np.where(determined, value, np.nan)
-        out[determined_column(rule)] = np.asarray(determined, bool)
+        value, determined = _rule_window(rule, top_x, k, h_lo, h_hi, vocab)
+        out[rule_column(rule)] = value
+        out[determined_column(rule)] = determined
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# ``jaxcert certify-logits``: a file in, certificates.parquet and its summary out
+
+CERTIFICATES = "certificates.parquet"
+PARTIAL = "certificates.partial.parquet"
+
+
+def check_output(out: pathlib.Path, *, overwrite: bool) -> pathlib.Path:
+    """``out/certificates.parquet``, once ``out`` may receive it (before any work).
+
+    Raises:
+      ValueError: ``out`` is a file, or it holds certificates and not ``overwrite``.
+    """
+    out = pathlib.Path(out)
+    target = out / CERTIFICATES
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file, not a folder")
+    if target.exists() and not overwrite:
+        raise ValueError(f"{target} exists; pass --overwrite to replace it or choose another --out")
+    return target
+
+
+def certify_dense_file(path, rules: Sequence, **kwargs) -> Iterator[pa.Table]:
+    """Certified chunks of a dense dump, streamed: :func:`iter_dense_file` (``kwargs``:
+    ``chunk_rows``, ``tensor``, ``vocab_size``) through :func:`certify_dense`, each chunk a
+    table of its index columns and the certificate columns."""
+    for index, logits in iter_dense_file(path, **kwargs):
+        yield pa.table({**index, **certify_dense(logits, rules)})
+
+
+def certify_records(
+    path, rules: Sequence, *, vocab_size: int | None = None, skip_bad_lines: bool = False
+) -> tuple[pa.Table, dict]:
+    """Certificates of a file of engine responses (:func:`read_logprob_records`).
+
+    Returns:
+      ``(table, counts)``: the records' index and :func:`certify_top_logprobs` columns, and
+      what reading counted (``RecordCounts.as_dict``).
+
+    Raises:
+      ValueError: as :func:`read_logprob_records` and :func:`certify_top_logprobs`, a bad
+        window named by its line, choice and position in ``path``.
+    """
+    records = read_logprob_records(path, skip_bad_lines=skip_bad_lines)
+    try:
+        columns = certify_top_logprobs(records.logprobs, rules, vocab_size=vocab_size)
+    except ValueError as err:  # "row N: ..." names a window: name the record's line instead
+        found = re.match(r"row (\d+)(.*)", str(err), re.S)
+        if found is None:
+            raise
+        i, index = int(found.group(1)), records.index
+        raise ValueError(
+            f"{path}:{index['record'][i] + 1} (choice {index['choice'][i]}, position "
+            f"{index['position'][i]}){found.group(2)}"
+        ) from None
+    return pa.table({**records.index, **columns}), records.counts.as_dict()
+
+
+def write_certificates(out: pathlib.Path, tables, *, kept=None) -> list[str]:
+    """Writes the tables into ``out/certificates.parquet`` atomically (a hidden temporary
+    file, then a rename; an earlier failure's ``certificates.partial.parquet`` goes).
+
+    Args:
+      out: the output folder (created at the first table).
+      tables: the certified tables (a stream).
+      kept: on a failure, called with ``(rows, path)`` once what was certified is kept in
+        ``certificates.partial.parquet`` (nothing is kept without rows).
+
+    Returns:
+      The names of the rows that are no distribution (``valid`` false), as
+      ``"row N"`` or ``"(sequence B, position T)"``.
+    """
+    out = pathlib.Path(out)
+    tmp = out / f".{CERTIFICATES}.tmp-{os.getpid()}"
+    writer, rows, invalid = None, 0, []
+    try:
+        for table in tables:
+            if writer is None:
+                out.mkdir(parents=True, exist_ok=True)
+                writer = pq.ParquetWriter(tmp, table.schema)
+            writer.write_table(table)
+            if "valid" in table.column_names:
+                bad = np.flatnonzero(~table["valid"].to_numpy(zero_copy_only=False))
+                invalid += [_row_name(table, int(i)) for i in bad]
+            rows += table.num_rows
+        writer.close()
+        os.replace(tmp, out / CERTIFICATES)
+        (out / PARTIAL).unlink(missing_ok=True)  # an earlier failed run's rows are superseded
+    except BaseException:
+        if writer is not None:
+            writer.close()
+            if rows:  # keep what was certified
+                os.replace(tmp, out / PARTIAL)
+                if kept is not None:
+                    kept(rows, out / PARTIAL)
+        raise
+    return invalid
+
+
+def _row_name(table: pa.Table, i: int) -> str:
+    if "sequence" in table.column_names:
+        return f"(sequence {table['sequence'][i].as_py()}, position {table['position'][i].as_py()})"
+    return f"row {table['row'][i].as_py()}"
+
+
+def row_list(names: Sequence[str], shown: int = 5) -> str:
+    """The first ``shown`` names, comma-separated (``...`` when there are more)."""
+    return ", ".join(names[:shown]) + (", ..." if len(names) > shown else "")
+
+
+_COUNT_NOTES = {
+    "missing_positions": "positions without log-probabilities (null or empty lists), skipped",
+    "duplicates_removed": "duplicated entries removed",
+    "sampled_dropped": "sampled tokens left out of the window (possibly appended below the "
+    "true top N)",
+    "sentinel_entries": "sentinel entries (logprob <= -9999) left out",
+    "bad_lines_skipped": "unreadable lines skipped",
+}
+
+
+def summary_notes(*, invalid: Sequence[str] = (), counts: dict | None = None) -> list[str]:
+    """The summary's notes: the dense rows that are no distribution (``invalid``, from
+    :func:`write_certificates`) and what reading records counted (``counts``)."""
+    counts = counts or {}
+    notes = [f"{_COUNT_NOTES[k]}: {v}" for k, v in counts.items() if k in _COUNT_NOTES and v]
+    if invalid:
+        notes.append(
+            "rows that are no distribution (NaN or +inf logits, or none finite; valid = "
+            f"false, certificates nan): {len(invalid)}: {row_list(invalid)}"
+        )
+    return notes
+
+
+def summary_markdown(
+    table: pa.Table,
+    rules: Sequence,
+    *,
+    name: str,
+    dense: bool,
+    notes: Sequence[str],
+    vocab_given: bool,
+) -> str:
+    """``summary.md`` of a certify-logits run: the notes, for records the share of
+    positions each rule's certificate is determined at (and what would determine the
+    rest), then :func:`jaxcert.pipeline.report.summarize_positions` of the certificates."""
+    from jaxcert.pipeline import report
+
+    text = f"## Positions: {table.num_rows} ({name})\n\n"
+    if notes:
+        text += "".join(f"- {n}\n" for n in notes) + "\n"
+    if not dense:
+        k = table["k"].to_numpy()
+        shares, hints = [], []
+        for r in rules:
+            det = table[determined_column(r)].to_numpy(zero_copy_only=False)
+            shares.append(f"{r.spec} {np.mean(det):.1%}")
+            if not det.all():
+                hints.append(f"- {r.spec}: {_needed_k(r, vocab_given)}")
+        text += f"Determined by the top-K window (share of positions): {', '.join(shares)}\n\n"
+        text += f"Entries per position: K = {k.min()} to {k.max()} (median {np.median(k):g}).\n\n"
+        if hints:
+            text += "Where a certificate is not determined:\n\n" + "\n".join(hints) + "\n\n"
+        text += "Statistics over the determined positions:\n\n"
+    summary = report.summarize_positions(table, [rule_column(r) for r in rules])
+    return text + report.markdown_table(summary) + "\n"
+
+
+def _needed_k(rule, vocab_given: bool) -> str:
+    """What top-list length determines ``rule`` (``docs/certificates.md`` §9)."""
+    if rule.static_upper_size is not None:
+        need = rule.static_upper_size + rule.list_size
+        return f"needs K >= {need} entries per position (request top_logprobs >= {need})"
+    return (
+        f"needs the window to reach a token below the rule's threshold and |U| + "
+        f"{rule.list_size} tokens: request a longer top_logprobs"
+        + (" and pass --vocab-size" if rule.needs_entropy and not vocab_given else "")
+    )
