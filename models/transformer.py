@@ -100,6 +100,26 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, layout: str) -> jax
     return out.astype(x.dtype)
 
 
+def slot_mask(
+    length: jax.Array, t: int, slots: int, attention_mask: jax.Array | None = None
+) -> jax.Array:
+    """`[B, T, S]` bool: which cache slots each of T new tokens attends to.
+
+    Committed slots `s < length[b]` are visible to every new token; new token t' (at slot
+    `length[b] + t'`) is visible to token t when `t' <= t` (causal, `attention_mask=None`) or
+    when `attention_mask[b, t, t']` (`[B, T, T]` bool, a draft tree's ancestor mask).
+    """
+    s = jnp.arange(slots, dtype=jnp.int32)
+    if attention_mask is None:  # causal: slot s visible iff s <= length + t
+        new_pos = length[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
+        return s[None, None, :] <= new_pos[:, :, None]
+    b = length.shape[0]
+    rel = s[None, :] - length[:, None]  # [B, S]
+    idx = jnp.broadcast_to(jnp.clip(rel, 0, t - 1)[:, None, :], (b, t, slots))
+    tree = jnp.take_along_axis(attention_mask, idx, axis=2)  # [B, T, S]
+    return (rel < 0)[:, None, :] | (((rel >= 0) & (rel < t))[:, None, :] & tree)
+
+
 def _write(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
     """Writes `new` `[B, G, T, D]` into `buf` `[B, G, S, D]` at slots `start[b]` per row."""
     update = lambda b, n, s: lax.dynamic_update_slice(b, n.astype(b.dtype), (0, s, 0))
@@ -305,33 +325,56 @@ class Transformer(nnx.Module):
         attention_mask: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache]:
         """`__call__` without the lm_head: `(hidden [B, T, E], cache)` (final-norm output)."""
+        hidden, cache, _ = self.tapped_features(
+            tokens, cache, (), positions=positions, attention_mask=attention_mask
+        )
+        return hidden, cache
+
+    def tapped_features(
+        self,
+        tokens: jax.Array,
+        cache: KVCache,
+        taps: tuple[int, ...],
+        *,
+        positions: jax.Array | None = None,
+        attention_mask: jax.Array | None = None,
+    ) -> tuple[jax.Array, KVCache, jax.Array]:
+        """:meth:`features` and the residual stream after the blocks `taps` (indices in
+        `[0, L)`), concatenated: `(hidden, cache, tapped [B, T, len(taps) * E])` (what an
+        EAGLE-3 draft head fuses; `[B, T, 0]` for no taps).
+
+        Raises:
+          ValueError: a tap outside `[0, L)`; the errors of :meth:`__call__`.
+        """
         tokens = jnp.asarray(tokens)
         positions = None if positions is None else jnp.asarray(positions, jnp.int32)
         attention_mask = None if attention_mask is None else jnp.asarray(attention_mask)
         b, t, positions, attention_mask = self._check(tokens, cache, positions, attention_mask)
-        c = self.config
+        if any(not 0 <= i < self.config.num_layers for i in taps):
+            raise ValueError(
+                f"taps must be block indices in [0, {self.config.num_layers}), got {taps}."
+            )
         length = cache.length
-        slots = jnp.arange(cache.max_length, dtype=jnp.int32)
-        if attention_mask is None:  # causal: slot s visible iff s <= length + t
-            new_pos = length[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
-            mask = slots[None, None, :] <= new_pos[:, :, None]  # [B, T, S]
-        else:
-            rel = slots[None, :] - length[:, None]  # [B, S]
-            idx = jnp.broadcast_to(jnp.clip(rel, 0, t - 1)[:, None, :], (b, t, cache.max_length))
-            tree = jnp.take_along_axis(attention_mask, idx, axis=2)  # [B, T, S]
-            mask = (rel < 0)[:, None, :] | (((rel >= 0) & (rel < t))[:, None, :] & tree)
-        cos, sin = rope_angles(positions, c.head_dim, c.rope_theta)
+        mask = slot_mask(length, t, cache.max_length, attention_mask)
+        cos, sin = rope_angles(positions, self.config.head_dim, self.config.rope_theta)
 
         layout = self.layout
         x = jnp.take(self.embedding[...], tokens, axis=0).astype(self.dtype)  # [B, T, E]
         x = constrain(layout, x, _BTE)
-        keys, values = [], []
-        for layer, k_buf, v_buf in zip(self.layers, cache.keys, cache.values, strict=True):
+        keys, values, tapped = [], [], {}
+        for i, (layer, k_buf, v_buf) in enumerate(
+            zip(self.layers, cache.keys, cache.values, strict=True)
+        ):
             x, k_buf, v_buf = layer(x, cos, sin, k_buf, v_buf, length, mask, layout)
             keys.append(k_buf)
             values.append(v_buf)
+            if i in taps:
+                tapped[i] = x
         hidden = constrain(layout, self.norm(x), _BTE)  # [B, T, E]
-        return hidden, cache.replace(keys=tuple(keys), values=tuple(values))
+        cache = cache.replace(keys=tuple(keys), values=tuple(values))
+        if not taps:
+            return hidden, cache, jnp.zeros((b, t, 0), self.dtype)
+        return hidden, cache, jnp.concatenate([tapped[i] for i in taps], axis=-1)
 
     def project(self, hidden: jax.Array) -> jax.Array:
         """The lm_head: `[..., E]` final-norm hidden states -> `[..., V]` float32 logits.
