@@ -178,24 +178,11 @@ class DecodeProgress:
 
 
 def run(args) -> int:
-    import jax
-
     import jaxcert
     from jaxcert import decoding
-    from jaxcert.base import prompts
     from jaxcert.decoding import run_report
 
-    policy = decoding.parse_policy(args.policy)
-    verification = decoding.parse_verify(args.verify)
-    max_draft = args.max_draft or policy.k_max
-    config = decoding.DecodeConfig(
-        verification=verification,
-        max_new_tokens=args.max_new_tokens,
-        max_draft=max_draft,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        collect_stats=not args.no_certificates,
-    )  # validates temperature against the rule before anything is loaded
+    policy, config = _config(args)  # validates temperature against the rule before loading
     out = args.out
     replace = run_report.check_output(out, overwrite=args.overwrite)  # before any loading
     device_mesh = mesh_lib.make_mesh(args.mesh)
@@ -205,90 +192,26 @@ def run(args) -> int:
     started = time.perf_counter()
     cache_dir = jaxcert.enable_compilation_cache()  # a rerun on this machine compiles nothing
     prompt_set = load_prompt_set(args.prompts, turn=args.turn, max_prompts=args.max_prompts)
-    t0 = time.perf_counter()
-    target = load_model("--target", args.target, mesh=mesh)  # each weight onto its shards
-    drafter = load_model("--drafter", args.drafter, mesh=mesh)
-    decoding.check_pair(target, drafter)
-    load_s = time.perf_counter() - t0
+    target, drafter, load_s = _load(args, mesh)
     config = dataclasses.replace(config, eos_ids=target.eos_ids)
-    encoded = prompts.encode_prompts(
-        target.tokenizer, prompt_set, chat=not args.no_chat, system_prompt=args.system_prompt
-    )
-    short = [p.id for p, e in zip(prompt_set, encoded, strict=True) if len(e) < 2]
-    if short:  # checked before anything is decoded
-        raise ValueError(
-            f"prompts {short} encode to fewer than 2 tokens; speculative decoding needs 2"
-        )
-    width = decoding.bucket(max(len(e) for e in encoded))  # one program for every batch
+    encoded = _encode(args, target, prompt_set)
     print(
         f"[jaxcert] target {target.path.name} ({target.config.num_layers} layers), drafter "
         f"{drafter.path.name} ({drafter.config.num_layers} layers), V={target.config.vocab_size},"
         f" loaded in {load_s:.1f} s; {len(encoded)} prompts; policy {policy.spec}, verify "
-        f"{verification.spec}, T={args.temperature}; mesh {mesh_lib.describe(device_mesh)}",
+        f"{config.verification.spec}, T={args.temperature}; mesh "
+        f"{mesh_lib.describe(device_mesh)}",
         file=sys.stderr,
     )
-    key = jax.random.key(args.seed)
-    total = len(encoded) * args.max_new_tokens * (1 if args.no_baseline else 2)
-    progress = DecodeProgress(total)
     compiled_before = decoding.default_programs().compiled
-    runs = {"target": [], "speculative": []}
-    ids = [p.id for p in prompt_set]
-    for start in range(0, len(encoded), args.batch_size):
-        batch = encoded[start : start + args.batch_size]
-        key, k1, k2 = jax.random.split(key, 3)
-        done = progress.bar.n
-        if not args.no_baseline:
-            runs["target"].append(
-                decoding.target_decode(
-                    target,
-                    batch,
-                    max_new_tokens=args.max_new_tokens,
-                    temperature=args.temperature,
-                    top_p=args.top_p,
-                    eos_ids=config.eos_ids,
-                    key=k1,
-                    prompt_width=width,
-                    progress=lambda n, done=done: progress.advance(done + n),
-                    on_compile=progress.compiling,
-                )
-            )
-            done += len(batch) * args.max_new_tokens  # rows that ended early count in full
-            progress.advance(done)
-        runs["speculative"].append(
-            decoding.speculative_decode(
-                target,
-                drafter,
-                batch,
-                policy=policy,
-                config=config,
-                key=k2,
-                prompt_width=width,
-                progress=lambda n, done=done: progress.advance(done + n),
-                on_compile=progress.compiling,
-            )
-        )
-        progress.advance(done + len(batch) * args.max_new_tokens)
-    progress.close()
+    runs = _decode(args, target, drafter, encoded, policy, config)
     summary = run_report.summarize_runs(runs)
     if replace:  # the previous run's files go only now that this one is ready
         run_report.remove_outputs(out)
+    ids = [p.id for p in prompt_set]
     run_report.write_tables(out, runs["speculative"], ids, args.batch_size)
     run_report.write_outputs(out / "outputs.jsonl", runs, ids, target.tokenizer.decode)
-    meta = {
-        "command": " ".join(sys.argv),
-        "target": str(target.path),
-        "drafter": str(drafter.path),
-        "prompts": args.prompts,
-        "policy": policy.spec,
-        "verify": verification.spec,
-        "temperature": args.temperature,
-        "top_p": args.top_p,
-        "max_new_tokens": args.max_new_tokens,
-        "max_draft": max_draft,
-        "batch_size": args.batch_size,
-        "mesh": dict(device_mesh.shape),
-        "seed": args.seed,
-        "load_s": round(load_s, 2),
+    meta = _meta(args, target, drafter, policy, config, device_mesh, load_s) | {
         "compile_s": round(sum(r.compile_s for rs in runs.values() for r in rs), 1),
         "programs_compiled": decoding.default_programs().compiled - compiled_before,
         "compilation_cache": str(cache_dir) if cache_dir else None,
@@ -301,3 +224,98 @@ def run(args) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def _config(args):
+    """``(policy, config)`` from the command line (checked before anything is loaded)."""
+    from jaxcert import decoding
+
+    policy = decoding.parse_policy(args.policy)
+    config = decoding.DecodeConfig(
+        verification=decoding.parse_verify(args.verify),
+        max_new_tokens=args.max_new_tokens,
+        max_draft=args.max_draft or policy.k_max,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        collect_stats=not args.no_certificates,
+    )
+    return policy, config
+
+
+def _load(args, mesh):
+    """``(target, drafter, load_s)``: both models (checked as a pair) and their load time."""
+    from jaxcert import decoding
+
+    t0 = time.perf_counter()
+    target = load_model("--target", args.target, mesh=mesh)  # each weight onto its shards
+    drafter = load_model("--drafter", args.drafter, mesh=mesh)
+    decoding.check_pair(target, drafter)
+    return target, drafter, time.perf_counter() - t0
+
+
+def _encode(args, target, prompt_set) -> list:
+    """The prompts' token ids (checked before anything is decoded)."""
+    from jaxcert.base import prompts
+
+    encoded = prompts.encode_prompts(
+        target.tokenizer, prompt_set, chat=not args.no_chat, system_prompt=args.system_prompt
+    )
+    short = [p.id for p, e in zip(prompt_set, encoded, strict=True) if len(e) < 2]
+    if short:
+        raise ValueError(
+            f"prompts {short} encode to fewer than 2 tokens; speculative decoding needs 2"
+        )
+    return encoded
+
+
+def _decode(args, target, drafter, encoded, policy, config) -> dict:
+    """Each batch decoded by the target alone (unless ``--no-baseline``) and speculatively:
+    ``{"target": [...], "speculative": [...]}``, one output per batch, with a progress bar."""
+    import jax
+
+    from jaxcert import decoding
+
+    key = jax.random.key(args.seed)
+    width = decoding.bucket(max(len(e) for e in encoded))  # one program for every batch
+    progress = DecodeProgress(len(encoded) * args.max_new_tokens * (1 if args.no_baseline else 2))
+    runs = {"target": [], "speculative": []}
+    common = {"prompt_width": width, "on_compile": progress.compiling}
+    for start in range(0, len(encoded), args.batch_size):
+        batch = encoded[start : start + args.batch_size]
+        key, k1, k2 = jax.random.split(key, 3)
+        done = progress.bar.n
+        if not args.no_baseline:
+            runs["target"].append(decoding.target_decode(
+                target, batch, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                top_p=args.top_p, eos_ids=config.eos_ids, key=k1,
+                progress=lambda n, done=done: progress.advance(done + n), **common,
+            ))  # fmt: skip
+            done += len(batch) * args.max_new_tokens  # rows that ended early count in full
+            progress.advance(done)
+        runs["speculative"].append(decoding.speculative_decode(
+            target, drafter, batch, policy=policy, config=config, key=k2,
+            progress=lambda n, done=done: progress.advance(done + n), **common,
+        ))  # fmt: skip
+        progress.advance(done + len(batch) * args.max_new_tokens)
+    progress.close()
+    return runs
+
+
+def _meta(args, target, drafter, policy, config, device_mesh, load_s) -> dict:
+    """What summary.json records about the run besides its results."""
+    return {
+        "command": " ".join(sys.argv),
+        "target": str(target.path),
+        "drafter": str(drafter.path),
+        "prompts": args.prompts,
+        "policy": policy.spec,
+        "verify": config.verification.spec,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "max_new_tokens": args.max_new_tokens,
+        "max_draft": config.max_draft,
+        "batch_size": args.batch_size,
+        "mesh": dict(device_mesh.shape),
+        "seed": args.seed,
+        "load_s": round(load_s, 2),
+    }
