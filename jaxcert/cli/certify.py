@@ -37,8 +37,8 @@ scaling out:
   each certifies its share (the prompts left to do, sorted by length, dealt round-robin)
   on its own devices, with the shapes of a one-process run. Process 0 streams its share
   into --out; the others stream theirs into a hidden .process-IIIII folder of their own
-  --out and send it to process 0 at the end, over TCP (a small store that process 0
-  serves; no shared file system is needed). Process 0 merges the parts into positions.parquet (the
+  --out and send it to process 0 at the end, over TCP (a small store process 0 serves; no
+  shared file system is needed). Process 0 merges the parts into positions.parquet (the
   one-process table, row for row); the manifest says "complete" only once every prompt is
   in it. If a process fails, the others exit with an error naming it, and process 0's
   manifest says "incomplete" with what it holds: --resume (with one process or several)
@@ -64,8 +64,10 @@ def add_parser(sub) -> None:
         description=textwrap.fill(
             "Greedy-decode each prompt with the target and record, per position, the "
             "target's top-1 probability, top-10 coverage, margin, entropy and the exact "
-            "certificate C_p (nats) of every rule. Writes positions.parquet, summary tables "
-            "and plots to --out.",
+            "certificate C_p (nats) of every rule. Writes positions.parquet/ (Parquet "
+            "shards) and manifest.json as it goes, then summary.md, summary.csv, "
+            "run_lengths.csv, run.json and the plots certificate_cdf.png and "
+            "certificate_vs_margin.png (unless --no-plots) to --out.",
             width=90,
         ),
         epilog=_SCALING,

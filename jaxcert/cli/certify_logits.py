@@ -45,7 +45,11 @@ def add_parser(sub) -> None:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("input", type=pathlib.Path, help="a .npy/.safetensors dump or a .jsonl file")
+    p.add_argument(
+        "input",
+        type=pathlib.Path,
+        help="a .npy/.safetensors dump, or a .jsonl/.json file of records",
+    )
     p.add_argument(
         "--rules", type=rules_arg, default=DEFAULT_RULES, help=f"rules (default: {DEFAULT_RULES})"
     )
