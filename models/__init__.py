@@ -1,6 +1,7 @@
 """Llama / Qwen2 / Qwen3 decoders in Flax NNX with a KV cache, and their loaders.
 
 Installed as ``jaxcert.models`` (the repository keeps it in the top-level folder ``models/``).
+``jaxcert.models.eagle`` adds an EAGLE-1/-3 draft head (`EagleHead`; `save_head`, `load_head`).
 
 Shape letters, one meaning each across this package (and the same as in ``jaxcert``):
 
@@ -46,6 +47,7 @@ from jaxcert.models._load import (
 from jaxcert.models._weights import LoadedModel
 from jaxcert.models.cache import KVCache
 from jaxcert.models.config import ModelConfig
+from jaxcert.models.eagle import EagleHead
 from jaxcert.models.gguf import load_gguf
 from jaxcert.models.hf import load_hf
 from jaxcert.models.sharding import LOGICAL_RULES, Layout, shard
@@ -53,6 +55,7 @@ from jaxcert.models.transformer import Transformer, decode_step, forward, trunca
 
 __all__ = [
     "LOGICAL_RULES",
+    "EagleHead",
     "KVCache",
     "Layout",
     "LoadedModel",

@@ -28,6 +28,7 @@ def _logits(model):
 def test_public_surface():
     assert sorted(models.__all__) == sorted(
         [
+            "EagleHead",
             "KVCache",
             "LOGICAL_RULES",
             "Layout",

@@ -1,0 +1,478 @@
+"""EAGLE-style draft head: drafts from the current token and the target's feature before it.
+
+The head reads, at position t, the embedding of token x_t and a feature f_{t-1} of the
+position before it, and predicts the next token::
+
+  u_t = fc([embed_norm(embed(x_t)), context_norm(f_{t-1})])        # [B, T, 2E] -> [B, T, E]
+  h_t = norm(blocks(u_t))                                          # num_layers Blocks, own cache
+  q(. | x_<=t) = softmax(project(h_t))                             # [B, T, V]
+
+The feature comes from the target (:meth:`EagleHead.fuse`):
+
+- EAGLE-1 (``taps=()``): the target's final-norm hidden state, as is;
+- EAGLE-3 (``taps=(low, mid, high)``): the residual stream after those target blocks
+  (`Transformer.tapped_features`), concatenated and mixed by a linear ``len(taps)*E -> E``.
+
+When the head drafts several tokens in a row, the context of the next step is the head's own
+output ``h_t`` (:meth:`EagleHead.features`' hidden, the final-norm state that
+:meth:`EagleHead.project` reads). Both inputs are RMS-normalised before ``fc`` (as EAGLE-3
+does), so the head's own state and the target's feature may differ in scale.
+
+Reduced draft vocabulary (EAGLE-3 drafts over the 32k most frequent of 151,936 tokens). With
+``draft_vocab`` (V' sorted ids) the lm_head has V' columns, and :meth:`EagleHead.project`
+still returns logits over the full vocabulary V: each draft-vocabulary token gets its lm_head
+logit and every one of the V - V' other tokens gets one shared learnt logit b (the scalar
+parameter ``oov_logit``). So q is a proper distribution over all V tokens with q > 0
+everywhere::
+
+  q(x) = exp(b) / Z  for every x outside,   q_out = (V - V') exp(b) / Z  in all,
+
+and KL(p || q) stays finite for any target p (certificates keep their meaning). Splitting
+the vocabulary into inside and outside::
+
+  KL(p || q) = kl(p_out || q_out) + (1 - p_out) KL(p_in || q_in)
+               + p_out (log(V - V') - H(p | outside)),
+
+with kl the binary KL and p_in, q_in the distributions within the draft vocabulary: the
+outside tokens add at most p_out log(V - V') beyond the binary term, since q is uniform
+there. The learnt b matches the mass outside in total (d KL / d b = q_out - p_out), not
+token by token. b starts at ``log(1e-4 / (V - V'))`` (`OOV_INIT_MASS`): all outside tokens
+together weigh 1e-4 of one token of logit 0. The full logits are one scatter of the V'
+logits into an array filled with b, at the (sorted, unique) ids.
+
+Positions: the head's cache slot t holds the pair (x_t, f_{t-1}), so for a prompt x_0..x_n
+the head is fed x_1..x_n with the target's features of x_0..x_{n-1}; its RoPE positions
+default to the slot (``length + t``), as the target's.
+
+Initialisation: :meth:`EagleHead.from_target` copies the target's embedding (the same array
+when the dtypes agree: no copy in memory), its final-norm scale and the draft-vocabulary
+columns of its lm_head.
+EAGLE keeps embedding and lm_head frozen; `TRAINABLE` selects the rest (``fc``, ``fuse_fc``,
+the norms, the blocks, ``oov_logit``).
+
+Shape letters as in `jaxcert.models`; K = ``len(taps)``, V' = draft-vocabulary size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import pathlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxcert.models.cache import KVCache
+from jaxcert.models.config import ModelConfig
+from jaxcert.models.transformer import (
+    Block,
+    RMSNorm,
+    Transformer,
+    lm_head_logits,
+    rope_angles,
+    slot_mask,
+)
+
+__all__ = [
+    "FORMAT_VERSION",
+    "OOV_INIT_MASS",
+    "TRAINABLE",
+    "DraftVocab",
+    "EagleHead",
+    "draft_vocab_from_counts",
+    "load_head",
+    "save_head",
+]
+
+OOV_INIT_MASS = 1e-4  # initial weight of all outside tokens together, vs one token of logit 0
+FORMAT_VERSION = 1  # of the head.json / head.safetensors pair
+_INIT = nnx.initializers.normal(0.02)
+_FROZEN = ("embedding", "lm_head")  # shared with / copied from the target; EAGLE freezes them
+TRAINABLE = nnx.All(nnx.Param, nnx.Not(nnx.Any(*(nnx.PathContains(n) for n in _FROZEN))))
+
+
+class DraftVocab(nnx.Variable):
+    """The draft vocabulary's ids, `[V']` int32 sorted (state, but not a trainable Param)."""
+
+
+def _param(value: jax.Array, names: tuple[str | None, ...]) -> nnx.Param:
+    return nnx.Param(value, out_sharding=names, eager_sharding=False)
+
+
+def _check_draft_vocab(ids: Any, vocab_size: int) -> np.ndarray:
+    """The ids `[V']` as sorted int32 numpy, after checking them.
+
+    Raises:
+      ValueError: not a non-empty 1-D integer array, an id outside `[0, vocab_size)`, or a
+        duplicated id (each named).
+    """
+    ids = np.asarray(ids)
+    if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(
+            f"draft_vocab must be a non-empty [V'] integer array, got {ids.shape} {ids.dtype}."
+        )
+    bad = ids[(ids < 0) | (ids >= vocab_size)]
+    if bad.size:
+        raise ValueError(f"draft_vocab ids out of range [0, {vocab_size}): {bad[:5].tolist()}.")
+    ids = np.sort(ids)
+    dup = np.unique(ids[1:][ids[1:] == ids[:-1]])
+    if dup.size:
+        raise ValueError(f"draft_vocab has duplicated ids: {dup[:5].tolist()}.")
+    return ids.astype(np.int32)
+
+
+def draft_vocab_from_counts(counts: np.ndarray, size: int) -> np.ndarray:
+    """The `size` most frequent token ids, sorted: `[size]` int32 (ties: the lower id).
+
+    Args:
+      counts: `[V]` occurrences (or any non-negative weights) of each token.
+      size: V', how many ids to keep, in `[1, V]`.
+
+    Raises:
+      ValueError: `counts` not 1-D, or `size` outside `[1, V]`.
+    """
+    counts = np.asarray(counts)
+    if counts.ndim != 1:
+        raise ValueError(f"counts must be [V], got shape {counts.shape}.")
+    if not 1 <= size <= counts.shape[0]:
+        raise ValueError(f"size must be in [1, {counts.shape[0]}], got {size}.")
+    top = np.argsort(-counts, kind="stable")[:size]
+    return np.sort(top).astype(np.int32)
+
+
+class EagleHead(nnx.Module):
+    """An EAGLE draft head over a target of config `target_config` (see the module docstring).
+
+    Attributes:
+      config: the head's `ModelConfig`: the target's sizes and vocabulary, ``num_layers`` =
+        the head's blocks (what its `KVCache` holds).
+      target_config: the target's config (``num_layers`` = the target's blocks).
+      taps: the target blocks whose residual streams :meth:`fuse` mixes; ``()`` for the
+        target's final-norm hidden state (EAGLE-1).
+      draft_vocab: `DraftVocab` `[V']` int32 sorted ids, or ``None`` (full vocabulary).
+      draft_size: V' (V without a draft vocabulary), columns of ``lm_head`` `[E, V']`.
+      oov_logit: scalar Param, the logit of every token outside the draft vocabulary
+        (``None`` without one).
+    """
+
+    def __init__(
+        self,
+        target_config: ModelConfig,
+        *,
+        rngs: nnx.Rngs,
+        num_layers: int = 1,
+        taps: tuple[int, ...] | None = None,
+        draft_vocab: jax.Array | np.ndarray | None = None,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+    ):
+        """Builds a randomly initialised head.
+
+        Raises:
+          ValueError: `num_layers` < 1; a tap that is not a distinct block index in
+            `[0, target_config.num_layers)`; a `draft_vocab` that is not a non-empty 1-D
+            integer array of distinct ids in `[0, V)` (each problem named).
+        """
+        if not isinstance(num_layers, int) or num_layers < 1:
+            raise ValueError(f"num_layers must be a positive int, got {num_layers!r}.")
+        taps = () if taps is None else tuple(taps)
+        total = target_config.num_layers
+        if any(not isinstance(i, (int, np.integer)) or not 0 <= i < total for i in taps):
+            raise ValueError(f"taps must be target block indices in [0, {total}), got {taps}.")
+        if len(set(taps)) != len(taps):
+            raise ValueError(f"taps must be distinct, got {taps}.")
+        taps = tuple(int(i) for i in taps)
+        v, e = target_config.vocab_size, target_config.hidden_size
+        ids = None if draft_vocab is None else _check_draft_vocab(draft_vocab, v)
+        self.config = dataclasses.replace(target_config, num_layers=num_layers)
+        self.target_config = target_config
+        self.taps = taps
+        self.draft_size = v if ids is None else int(ids.size)
+        self.dtype = dtype
+
+        init = lambda shape: _INIT(rngs.params(), shape, param_dtype)  # noqa: E731
+        kw = dict(eps=target_config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+        self.embedding = _param(init((v, e)), ("vocab", "embed"))  # [V, E]
+        self.fuse_fc = _param(init((len(taps) * e, e)), (None, "embed")) if taps else None
+        self.embed_norm = RMSNorm(e, **kw)
+        self.context_norm = RMSNorm(e, **kw)
+        self.fc = _param(init((2 * e, e)), (None, "embed"))  # [2E, E]
+        self.layers = nnx.List(
+            [
+                Block(self.config, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+                for _ in range(num_layers)
+            ]
+        )
+        self.norm = RMSNorm(e, **kw)
+        self.lm_head = _param(init((e, self.draft_size)), ("embed", "vocab"))  # [E, V']
+        if ids is None:
+            self.draft_vocab, self.oov_logit = None, None
+        else:
+            self.draft_vocab = DraftVocab(jnp.asarray(ids))
+            b0 = math.log(OOV_INIT_MASS / max(v - ids.size, 1))
+            self.oov_logit = _param(jnp.asarray(b0, jnp.float32), ())
+
+    @classmethod
+    def from_target(cls, target: Transformer, *, rngs: nnx.Rngs | None = None, **kw) -> EagleHead:
+        """A head whose embedding, final-norm scale and lm_head come from `target`.
+
+        The embedding is the target's array (shared when `param_dtype` is the target's, else
+        a cast copy); the lm_head holds the target's lm_head columns (or tied embedding
+        rows) of the draft vocabulary.
+
+        Args:
+          target: the target `Transformer`.
+          rngs: for the other parameters (default ``nnx.Rngs(0)``).
+          **kw: the other arguments of `EagleHead` (`dtype` defaults to the target's,
+            `param_dtype` to its embedding's).
+
+        Raises:
+          ValueError: as `EagleHead`.
+        """
+        param_dtype = kw.pop("param_dtype", target.embedding[...].dtype)
+        kw.setdefault("dtype", target.dtype)
+        head = cls(
+            target.config,
+            rngs=nnx.Rngs(0) if rngs is None else rngs,
+            param_dtype=param_dtype,
+            **kw,
+        )
+        embedding = target.embedding[...]
+        head.embedding.set_value(embedding.astype(param_dtype))
+        head.norm.scale.set_value(target.norm.scale[...].astype(param_dtype))
+        full = embedding.T if target.lm_head is None else target.lm_head[...]  # [E, V]
+        if head.draft_vocab is not None:
+            full = jnp.take(full, head.draft_vocab[...], axis=1)
+        head.lm_head.set_value(full.astype(param_dtype))
+        return head
+
+    def init_cache(self, batch_size: int, max_length: int) -> KVCache:
+        """An empty `KVCache` (the head's L blocks, B = `batch_size`, S = `max_length`).
+
+        Raises:
+          ValueError: non-positive `batch_size` or `max_length`.
+        """
+        return KVCache.create(self.config, batch_size, max_length, dtype=self.dtype)
+
+    def fuse(self, target_states: jax.Array) -> jax.Array:
+        """The target's states -> the feature the head reads: `[B, T, E]` compute dtype.
+
+        Args:
+          target_states: `[B, T, K*E]` the residual streams after the blocks `taps`
+            (`Transformer.tapped_features` with these taps), or, for ``taps == ()``, the
+            `[B, T, E]` final-norm hidden state (returned as is).
+
+        Raises:
+          ValueError: the last axis is not `K*E` (`E` without taps).
+        """
+        e = self.config.hidden_size
+        width = len(self.taps) * e if self.taps else e
+        if target_states.ndim != 3 or target_states.shape[-1] != width:
+            raise ValueError(
+                f"target_states must be [B, T, {width}] (taps={self.taps}), got "
+                f"{target_states.shape}."
+            )
+        x = target_states.astype(self.dtype)
+        if self.fuse_fc is None:
+            return x
+        return jnp.einsum("BTK,KE->BTE", x, self.fuse_fc[...].astype(self.dtype))
+
+    def features(
+        self,
+        tokens: jax.Array,
+        cache: KVCache,
+        *,
+        context: jax.Array,
+        positions: jax.Array | None = None,
+        attention_mask: jax.Array | None = None,
+    ) -> tuple[jax.Array, KVCache]:
+        """The head without the lm_head: `(hidden [B, T, E], cache)`.
+
+        Cache semantics as `Transformer.__call__`: the T entries go to slots
+        `[length, length + T)` and the returned cache keeps `length` (the caller commits).
+
+        Args:
+          tokens: `[B, T]` int ids.
+          cache: the head's `KVCache` (`init_cache`).
+          context: `[B, T, E]` the feature of the position before each token: :meth:`fuse`
+            of the target's states, or the head's own earlier `hidden`.
+          positions: `[B, T]` int32 RoPE positions; default `length[b] + t`.
+          attention_mask: `[B, T, T]` bool among the new tokens; default causal.
+
+        Returns:
+          `hidden` `[B, T, E]` in the compute dtype: the final-norm state :meth:`project`
+          reads, and the context of the next drafted token.
+
+        Raises:
+          ValueError: inconsistent shapes or dtypes (at trace time).
+        """
+        tokens = jnp.asarray(tokens)
+        context = jnp.asarray(context)
+        positions = None if positions is None else jnp.asarray(positions, jnp.int32)
+        attention_mask = None if attention_mask is None else jnp.asarray(attention_mask)
+        t, positions = self._check(tokens, cache, context, positions, attention_mask)
+        c = self.config
+        mask = slot_mask(cache.length, t, cache.max_length, attention_mask)
+        cos, sin = rope_angles(positions, c.head_dim, c.rope_theta)
+        x = jnp.take(self.embedding[...], tokens, axis=0).astype(self.dtype)  # [B, T, E]
+        x = jnp.concatenate([self.embed_norm(x), self.context_norm(context)], axis=-1)
+        x = jnp.einsum("BTF,FE->BTE", x, self.fc[...].astype(self.dtype))  # F = 2E
+        keys, values = [], []
+        for layer, k_buf, v_buf in zip(self.layers, cache.keys, cache.values, strict=True):
+            x, k_buf, v_buf = layer(x, cos, sin, k_buf, v_buf, cache.length, mask)
+            keys.append(k_buf)
+            values.append(v_buf)
+        return self.norm(x), KVCache(keys=tuple(keys), values=tuple(values), length=cache.length)
+
+    def project(self, hidden: jax.Array) -> jax.Array:
+        """`[..., E]` hidden -> `[..., V]` float32 logits over the full target vocabulary.
+
+        With a draft vocabulary, tokens outside it all get the logit ``oov_logit``.
+        """
+        logits = lm_head_logits(hidden, self.lm_head[...], tied=False)  # [..., V']
+        if self.draft_vocab is None or self.oov_logit is None:
+            return logits
+        shape = logits.shape[:-1] + (self.config.vocab_size,)
+        full = jnp.broadcast_to(self.oov_logit[...].astype(jnp.float32), shape)
+        return full.at[..., self.draft_vocab[...]].set(
+            logits, indices_are_sorted=True, unique_indices=True
+        )
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        cache: KVCache,
+        *,
+        context: jax.Array,
+        positions: jax.Array | None = None,
+        attention_mask: jax.Array | None = None,
+        return_hidden: bool = False,
+    ):
+        """:meth:`features` then :meth:`project`: `(logits [B, T, V] float32, cache)`, or
+        `(logits, cache, hidden [B, T, E])` with `return_hidden`.
+
+        Raises:
+          ValueError: as :meth:`features`.
+        """
+        hidden, cache = self.features(
+            tokens, cache, context=context, positions=positions, attention_mask=attention_mask
+        )
+        logits = self.project(hidden)
+        return (logits, cache, hidden) if return_hidden else (logits, cache)
+
+    def _check(self, tokens, cache, context, positions, attention_mask):
+        """`(T, positions [B, T])` after checking every input's shape and dtype."""
+        c = self.config
+        if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise ValueError(f"tokens must be [B, T] int, got {tokens.shape} {tokens.dtype}.")
+        b, t = tokens.shape
+        if cache.batch_size != b or cache.num_layers != c.num_layers:
+            raise ValueError(
+                f"cache has B={cache.batch_size}, L={cache.num_layers}; expected B={b}, "
+                f"L={c.num_layers} (the head's own cache: init_cache)."
+            )
+        if t > cache.max_length:
+            raise ValueError(f"T={t} exceeds the cache's S={cache.max_length} slots.")
+        if context.shape != (b, t, c.hidden_size) or not jnp.issubdtype(
+            context.dtype, jnp.floating
+        ):
+            raise ValueError(
+                f"context must be float [B, T, E]={(b, t, c.hidden_size)}, got "
+                f"{context.shape} {context.dtype}."
+            )
+        if positions is None:
+            positions = cache.length[:, None] + jnp.arange(t, dtype=jnp.int32)
+        elif positions.shape != (b, t):
+            raise ValueError(f"positions must be [B, T]={(b, t)}, got {positions.shape}.")
+        if attention_mask is not None and (
+            attention_mask.shape != (b, t, t) or attention_mask.dtype != jnp.bool_
+        ):
+            raise ValueError(
+                f"attention_mask must be bool [B, T, T]={(b, t, t)}, got "
+                f"{attention_mask.shape} {attention_mask.dtype}."
+            )
+        return t, positions
+
+
+def save_head(head: EagleHead, folder: str | os.PathLike) -> pathlib.Path:
+    """Writes `head.safetensors` (every state array, flat dotted names such as
+    ``layers.0.attn.q_proj``) and `head.json` (format version, target config, head layers,
+    taps, draft-vocabulary size, dtypes) into `folder` (created); returns the folder."""
+    from safetensors.flax import save_file
+
+    folder = pathlib.Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(_flat_arrays(head), str(folder / "head.safetensors"))
+    meta = {
+        "format": "jaxcert-eagle-head",
+        "version": FORMAT_VERSION,
+        "target_config": dataclasses.asdict(head.target_config),
+        "num_layers": head.config.num_layers,
+        "taps": list(head.taps),
+        "draft_vocab_size": None if head.draft_vocab is None else head.draft_size,
+        "dtype": jnp.dtype(head.dtype).name,
+        "param_dtype": jnp.dtype(head.embedding[...].dtype).name,
+    }
+    (folder / "head.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return folder
+
+
+def load_head(folder: str | os.PathLike) -> EagleHead:
+    """The head `save_head` wrote into `folder`.
+
+    Raises:
+      ValueError: a missing file, another format or version, or tensors that do not match the
+        recorded head (names, shapes, dtypes).
+    """
+    from safetensors.flax import load_file
+
+    folder = pathlib.Path(folder)
+    if not (folder / "head.json").is_file() or not (folder / "head.safetensors").is_file():
+        raise ValueError(f"{folder} lacks head.json or head.safetensors (see save_head).")
+    meta = json.loads((folder / "head.json").read_text())
+    if meta.get("format") != "jaxcert-eagle-head" or meta.get("version") != FORMAT_VERSION:
+        raise ValueError(
+            f"{folder / 'head.json'}: format {meta.get('format')!r} version "
+            f"{meta.get('version')!r}; expected 'jaxcert-eagle-head' {FORMAT_VERSION}."
+        )
+    tensors = load_file(str(folder / "head.safetensors"))
+    cfg = dict(meta["target_config"], eos_token_ids=tuple(meta["target_config"]["eos_token_ids"]))
+    size = meta["draft_vocab_size"]
+    ids = None if size is None else np.asarray(tensors.get("draft_vocab", np.zeros(0, np.int32)))
+    if ids is not None and ids.shape != (size,):
+        raise ValueError(f"draft_vocab has shape {ids.shape}; head.json records {size} ids.")
+    build = lambda: EagleHead(  # noqa: E731
+        ModelConfig(**cfg),
+        rngs=nnx.Rngs(0),
+        num_layers=meta["num_layers"],
+        taps=tuple(meta["taps"]),
+        draft_vocab=ids,
+        dtype=jnp.dtype(meta["dtype"]),
+        param_dtype=jnp.dtype(meta["param_dtype"]),
+    )
+    graphdef, state = nnx.split(nnx.eval_shape(build))
+    flat = nnx.to_flat_state(state)
+    names = {".".join(map(str, path)): (path, v) for path, v in flat}
+    if set(names) != set(tensors):
+        missing, extra = sorted(set(names) - set(tensors)), sorted(set(tensors) - set(names))
+        raise ValueError(f"head.safetensors: missing {missing[:5]}, unexpected {extra[:5]}.")
+    for name, (_, var) in names.items():
+        want, got = var.get_value(), tensors[name]
+        if (want.shape, want.dtype) != (got.shape, got.dtype):
+            raise ValueError(
+                f"head.safetensors: {name} is {got.shape} {got.dtype}, expected "
+                f"{want.shape} {want.dtype}."
+            )
+        var.set_value(got)
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _flat_arrays(head: EagleHead) -> dict[str, jax.Array]:
+    """Every state array of `head` by dotted path."""
+    flat = nnx.to_flat_state(nnx.state(head))
+    return {".".join(map(str, path)): var.get_value() for path, var in flat}
