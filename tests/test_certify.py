@@ -96,6 +96,11 @@ def test_a_run_compiles_through_its_programs_and_counts_the_time(lm):
     second = certify.Certifier(lm, prompt_set, RULES[:1], options, programs=programs)
     assert certify.merge_parts(list(second)).equals(certify.merge_parts(tables))
     assert second.info["compile_s"] == 0 and programs.compiled == len(widths) + 2
+    # By default a run compiles in its own Programs: the decoders' options do not apply.
+    from jaxcert import decoding
+
+    own = certify.Certifier(lm, prompt_set, RULES[:1], options).programs
+    assert own.compiled == 0 and own is not decoding.default_programs()
 
 
 def test_stop_at_eos_and_min_prompt_tokens(lm):

@@ -247,18 +247,8 @@ def _run(args, dist: distributed.Distributed, peers: distributed.Peers) -> int:
     compile_cache = jaxcert.enable_compilation_cache()
     prompt_set, lm, load_s = _load(args, mesh, tag)
     meta = _meta(args, lm, rules, options, load_s, device_mesh, compile_cache, dist)
-    print(
-        f"{tag} target {lm.path.name}: {lm.config.num_layers} layers, "
-        f"V={lm.config.vocab_size}, loaded in {load_s:.1f} s; {len(prompt_set)} prompts, "
-        f"rules: {', '.join(meta['rules'])}; mesh {mesh_lib.describe(device_mesh)}"
-        + (f"; process {dist.process_index} of {dist.process_count}" if multi else ""),
-        file=sys.stderr,
-    )
-    fingerprint = certify_store.run_fingerprint(
-        target=args.target, model_path=lm.path, dtype=args.dtype, prompts=args.prompts,
-        prompt_set=prompt_set, turn=args.turn, rules=meta["rules"], options=meta["options"],
-        mesh=meta["mesh"], jaxcert=jaxcert.__version__,
-    )  # fmt: skip
+    _say_loaded(tag, lm, prompt_set, load_s, meta, device_mesh, dist)
+    fingerprint = _fingerprint(args, lm, prompt_set, meta)
     writer = peers.writer(
         args.out, fingerprint, resume=resume, overwrite=args.overwrite,
         shard_rows=args.shard_rows, shard_seconds=args.shard_seconds,
@@ -314,6 +304,30 @@ def _load(args, mesh, tag):
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
     lm = load_model("--target", args.target, dtype=dtype, mesh=mesh)  # each weight onto its shards
     return prompt_set, lm, time.perf_counter() - t0
+
+
+def _say_loaded(tag, lm, prompt_set, load_s, meta, device_mesh, dist) -> None:
+    print(
+        f"{tag} target {lm.path.name}: {lm.config.num_layers} layers, "
+        f"V={lm.config.vocab_size}, loaded in {load_s:.1f} s; {len(prompt_set)} prompts, "
+        f"rules: {', '.join(meta['rules'])}; mesh {mesh_lib.describe(device_mesh)}"
+        + (f"; process {dist.process_index} of {dist.process_count}"
+           if dist.process_count > 1 else ""),
+        file=sys.stderr,
+    )  # fmt: skip
+
+
+def _fingerprint(args, lm, prompt_set, meta) -> dict:
+    """What a resumed run and every process must agree on
+    (:func:`jaxcert.pipeline.store.run_fingerprint`)."""
+    import jaxcert
+    from jaxcert.pipeline import store as certify_store
+
+    return certify_store.run_fingerprint(
+        target=args.target, model_path=lm.path, dtype=args.dtype, prompts=args.prompts,
+        prompt_set=prompt_set, turn=args.turn, rules=meta["rules"], options=meta["options"],
+        mesh=meta["mesh"], jaxcert=jaxcert.__version__,
+    )  # fmt: skip
 
 
 def _meta(args, lm, rules, options, load_s, device_mesh, compile_cache, dist) -> dict:

@@ -46,7 +46,7 @@ from jaxcert.base.prompts import Prompt, encode_prompts
 from jaxcert.base.validate import check_int, round_up
 from jaxcert.core import stats as stats_lib
 from jaxcert.core.solver import certificates
-from jaxcert.decoding.programs import Programs, default_programs
+from jaxcert.decoding.programs import Programs
 from jaxcert.models import mesh as mesh_lib
 from jaxcert.pipeline.report import rule_column
 
@@ -290,9 +290,10 @@ class Certifier:
       progress: called with a :class:`Progress` after every prefill and decoding chunk, and
         before a program compiles.
       programs: where the run's programs are compiled and kept
-        (:class:`jaxcert.decoding.Programs`; default: the process's,
-        :func:`jaxcert.decoding.default_programs`, shared with the decoders). The time
-        this run spends compiling is ``info["compile_s"]``.
+        (:class:`jaxcert.decoding.Programs`, the decoders' mechanism; default: a new one,
+        this run's own, so that no other caller's compiler options apply to its numbers).
+        Pass one to share compiled programs between runs of the same shapes. The time this
+        run spends compiling is ``info["compile_s"]``.
 
     Raises:
       ValueError: no rules, no prompt long enough, prompts plus steps exceed the model's
@@ -317,7 +318,7 @@ class Certifier:
             raise ValueError("no rules given")
         self.lm, self.prompts, self.options = lm, prompts, options
         self.mesh, self.progress = mesh, progress
-        self.programs = default_programs() if programs is None else programs
+        self.programs = Programs() if programs is None else programs
         self.encoded = encode_prompts(
             lm.tokenizer, prompts, chat=options.chat, system_prompt=options.system_prompt
         )
