@@ -30,7 +30,7 @@ from jaxcert.decoding import loop
 from jaxcert.decoding import policies as policies_lib
 from jaxcert.decoding.config import DecodeConfig, Sizes, bucket, check_sampling
 from jaxcert.decoding.programs import Programs, default_programs
-from jaxcert.decoding.protocols import DecoderModel
+from jaxcert.decoding.protocols import DecoderModel, reads_target
 from jaxcert.decoding.state import RoundStats, Settings
 from jaxcert.models import sharding as sharding_lib
 
@@ -168,6 +168,31 @@ check_pair = models.check_same_vocabulary
 """Raises ``ValueError`` unless target and drafter share one vocabulary (and tokenizer)."""
 
 
+def _with_head(config: DecodeConfig, target, drafter) -> DecodeConfig:
+    """``config`` with ``head_taps`` set when ``drafter`` is a draft head.
+
+    Raises:
+      ValueError: the head fuses a block the target does not have, or the target cannot
+        hand over its intermediate states (no ``tapped_features``).
+    """
+    head = getattr(drafter, "model", drafter)
+    if isinstance(head, tuple) or not reads_target(head):
+        return dataclasses.replace(config, head_taps=None)
+    taps = tuple(int(i) for i in head.taps)
+    t_model = getattr(target, "model", target)
+    if taps and not hasattr(t_model, "tapped_features"):
+        raise ValueError(
+            f"the draft head fuses target blocks {taps}, but the target "
+            f"({type(t_model).__name__}) has no tapped_features to hand them over"
+        )
+    layers = getattr(getattr(t_model, "config", None), "num_layers", None)
+    if layers is not None and any(not 0 <= i < layers for i in taps):
+        raise ValueError(
+            f"the draft head fuses target blocks {taps}, but the target has {layers} blocks"
+        )
+    return dataclasses.replace(config, head_taps=taps)
+
+
 def _prepare_prompts(prompts, prompt_width, minimum, vocab_size, models_, new_tokens, draft):
     """Validates the prompts and the context length; returns the (bucketed) prompt width.
 
@@ -255,6 +280,7 @@ def speculative_decode(
         (``max_position_embeddings``); models on different meshes or an ``Explicit`` mesh.
     """
     check_pair(target, drafter)
+    config = _with_head(config, target, drafter)
     vocab_size = _vocab_size(target)
     rows = len(prompts)
     width = _prepare_prompts(

@@ -69,6 +69,10 @@ class DecodeConfig:
       buckets: verification widths in drafted nodes (sorted; the last must be the node
         count); ``None`` picks a default.
       rounds_per_call: rounds per jitted call (the host sees progress between calls).
+      head_taps: ``None`` for a language-model drafter; for a draft head that reads the
+        target's states (:class:`~jaxcert.decoding.protocols.FeatureDrafter`), its ``taps``
+        (``()``: the target's final-norm hidden states). :func:`speculative_decode` sets it
+        from the drafter.
     """
 
     verification: Verification = Verification()
@@ -80,6 +84,7 @@ class DecodeConfig:
     collect_stats: bool = True
     buckets: tuple[int, ...] | None = None
     rounds_per_call: int = 8
+    head_taps: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if isinstance(self.verification, str):  # e.g. "tree:2x4+greedy"
@@ -137,8 +142,10 @@ class DecodeConfig:
 
     @property
     def reread(self) -> int:
-        """``W``: tokens the drafter re-reads at the start of a round."""
-        return 2 if isinstance(self.tree, tree_lib.Chain) else self.depth + 1
+        """Tokens the drafter re-reads at the start of a round: the accepted path and the
+        target's token (a chain's language-model drafter has read all but the last two)."""
+        chain_lm = isinstance(self.tree, tree_lib.Chain) and self.head_taps is None
+        return 2 if chain_lm else self.depth + 1
 
     def verify_buckets(self) -> tuple[int, ...]:
         if self.buckets is not None:

@@ -30,12 +30,14 @@ from jaxcert.models.transformer import forward as _forward
 __all__ = ["draft"]
 
 
-def _reread(graphdef, params, cache, tokens, start, length, width, m):
-    """Step 0: rolls back to ``start``, reads ``s[start:length)``; root logits ``[B, V]``.
+def _reread(graphdef, params, cache, tokens, start, length, width, m, context):
+    """Step 0: rolls back to ``start``, reads ``s[start:length)``; root logits ``[B, V]`` and
+    the last real position's hidden state ``[B, E]``.
 
     When every row has one token to read (the usual case after a rejection) the pass is one
     token wide instead of ``width``. Only the last real position goes through the lm-head
-    (the model's ``features`` and ``project``, as ``models.Transformer`` has them).
+    (the model's ``features`` and ``project``). A draft head reads each token with the
+    target's states before it (``context`` ``[B, width, C]``, fused by the head).
     """
     model = nnx.merge(graphdef, params)
     count = length - start
@@ -46,7 +48,10 @@ def _reread(graphdef, params, cache, tokens, start, length, width, m):
     def read(w):
         def run(cache):
             window = jax.vmap(lambda row, s: lax.dynamic_slice_in_dim(row, s, w))(tokens, start)
-            hidden, cache = model.features(window, cache)
+            if context is None:
+                hidden, cache = model.features(window, cache)
+            else:
+                hidden, cache = model.features(window, cache, context=model.fuse(context[:, :w]))
             return jnp.take_along_axis(hidden, (count - 1)[:, None, None], axis=1)[:, 0], cache
 
         return run
@@ -56,7 +61,18 @@ def _reread(graphdef, params, cache, tokens, start, length, width, m):
     else:
         last, cache = read(1)(cache)
     cache = cache.commit(count)
-    return model.project(last), (cache.repeat(m) if m > 1 else cache)
+    return model.project(last), last, (cache.repeat(m) if m > 1 else cache)
+
+
+def _step(graphdef, params, tokens, cache, context):
+    """One drafted token per virtual row: ``[BM]`` tokens -> ``[BM, V]`` logits, the
+    ``[BM, E]`` hidden states a head's children read (``None`` for a language model)."""
+    if context is None:
+        logits, cache = _forward(graphdef, params, tokens[:, None], cache)
+        return logits[:, 0], None, cache
+    model = nnx.merge(graphdef, params)
+    hidden, cache = model.features(tokens[:, None], cache, context=context[:, None])
+    return model.project(hidden[:, 0]), hidden[:, 0], cache
 
 
 def _first_children(key, q_root, m, sampling, temperature, top_p):
@@ -161,6 +177,7 @@ def draft(
     sampling: bool,
     temperature: float,
     top_p: float,
+    context: jax.Array | None = None,
 ) -> tuple[DraftTree, Cache]:
     """Drafts one tree (or chain) per row.
 
@@ -175,6 +192,8 @@ def draft(
       shape: chain, static or dynamic tree; ``max_depth`` its depth ``K``.
       width: the static re-read width (``DecodeConfig.reread``).
       sampling, temperature, top_p: draw instead of taking the drafter's top choices.
+      context: for a draft head, ``[B, width, C]`` the target's states before the re-read
+        tokens (``DecodeState.drafter_context``); ``None`` for a language model.
 
     Returns:
       ``(tree, cache)``: the :class:`DraftTree` and the drafter cache (garbage past ``n``).
@@ -183,7 +202,11 @@ def draft(
     dynamic = isinstance(shape, tree_lib.DynamicTree)
     b = tokens.shape[0]
     rows = jnp.arange(b)
-    q_root, cache = _reread(graphdef, params, cache, tokens, start, length, width, m)
+    q_root, h_root, cache = _reread(
+        graphdef, params, cache, tokens, start, length, width, m, context
+    )
+    # A head reads each drafted token with its parent's hidden output ([B, M, E]).
+    f_ctx = None if context is None else jnp.broadcast_to(h_root[:, None], (b, m, h_root.shape[-1]))
     key, sub = jax.random.split(key)
     tok, logq, valid = _first_children(sub, q_root, m, sampling, temperature, top_p)
     q_buf, nodes = _init_nodes(q_root, tok, logq, valid, shape, max_depth)
@@ -200,13 +223,14 @@ def draft(
         return (depth < max_depth) & jnp.any(cont)
 
     def body(carry):
-        depth, cont, survival, frontier, parent_slot, nodes, q_buf, cache, key = carry
+        depth, cont, survival, frontier, parent_slot, f_ctx, nodes, q_buf, cache, key = carry
         if dynamic:  # each frontier slot's row takes its parent's ancestors
             src = (rows[:, None] * m + parent_slot).reshape(-1)
             cache = cache.copy_segments(src, seg_start, max_depth)
-        logits, cache = _forward(graphdef, params, frontier[0].reshape(b * m, 1), cache)
+        ctx = None if f_ctx is None else f_ctx.reshape(b * m, -1)
+        logits, hidden, cache = _step(graphdef, params, frontier[0].reshape(b * m), cache, ctx)
         cache = cache.commit(1)
-        q = logits[:, 0].reshape(b, m, -1)
+        q = logits.reshape(b, m, -1)
         q_buf = lax.dynamic_update_slice_in_dim(q_buf, q, 1 + (depth - 1) * m, axis=1)
         key, sub = jax.random.split(key)
         go = cont[:, None] & frontier[2]
@@ -218,17 +242,23 @@ def draft(
             nodes, frontier = _grow_static(
                 sub, q, frontier, go, nodes, depth, sampling, temperature, top_p
             )
+        if hidden is not None:  # the new frontier's parents: slot i (static), parent_slot
+            hidden = hidden.reshape(b, m, -1)
+            f_ctx = (
+                jnp.take_along_axis(hidden, parent_slot[..., None], axis=1) if dynamic else hidden
+            )
         feats = policies_lib.drafter_features(q[rows, best])
         more, survival = policies_lib.should_continue(
             policy, policy_state, feats, one * (depth + 1), survival
         )
         cont = cont & more & (depth + 1 < limit)
-        return depth + 1, cont, survival, frontier, parent_slot, nodes, q_buf, cache, key
+        return depth + 1, cont, survival, frontier, parent_slot, f_ctx, nodes, q_buf, cache, key
 
     parent_slot = jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32), (b, m))
     depth = jnp.asarray(1, jnp.int32)
-    init = (depth, cont & (1 < limit), survival, frontier, parent_slot, nodes, q_buf, cache, key)
-    _, _, _, _, _, nodes, q_buf, cache, _ = lax.while_loop(cond, body, init)
+    go = cont & (1 < limit)
+    init = (depth, go, survival, frontier, parent_slot, f_ctx, nodes, q_buf, cache, key)
+    _, _, _, _, _, _, nodes, q_buf, cache, _ = lax.while_loop(cond, body, init)
     if dynamic:
         return _select_dynamic(nodes, q_buf, shape.nodes), cache
     st = tree_lib.static_structure(m, max_depth)

@@ -47,18 +47,54 @@ def _read_prompt(graphdef, params, prompt, slots) -> Cache:
     return _forward(graphdef, params, prompt, cache)[1]
 
 
-def _initial_state(prompt, lengths, key, settings, sizes, target_cache, drafter_cache, policy):
-    """The :class:`DecodeState` after prefill (the target has read all but the last token)."""
+def _target_pass(graphdef, params, tokens, cache, taps, **kwargs):
+    """The target's ``[B, T, V]`` logits and cache, and for a draft head (``taps`` not
+    ``None``) the states it reads, ``[B, T, C]`` (the final-norm hidden states for ``()``)."""
+    if taps is None:
+        logits, cache = _forward(graphdef, params, tokens, cache, **kwargs)
+        return logits, cache, None
+    model = nnx.merge(graphdef, params)
+    if taps:
+        hidden, cache, states = model.tapped_features(tokens, cache, taps, **kwargs)
+    else:
+        hidden, cache = model.features(tokens, cache, **kwargs)
+        states = hidden
+    return model.project(hidden), cache, states
+
+
+def _prefill_head(d_graphdef, d_params, prompt, lengths, states, slots, width):
+    """A draft head reads the prompt, token ``t`` with the target's states at ``t - 1``, and
+    keeps all but the last token (re-read in the first round with ``states[n - 2]``).
+
+    Returns its cache (``lengths - 1`` committed) and the ``[B, width, C]`` context.
+    """
+    head = nnx.merge(d_graphdef, d_params)
+    fused = head.fuse(states)  # [B, T, E]
+    before = jnp.concatenate([jnp.zeros_like(fused[:, :1]), fused[:, :-1]], axis=1)
+    _, cache = head.features(prompt, head.init_cache(prompt.shape[0], slots), context=before)
+    rows = jnp.arange(prompt.shape[0])
+    context = jnp.zeros((prompt.shape[0], width, states.shape[-1]), states.dtype)
+    context = context.at[:, 0].set(states[rows, lengths - 2])
+    return cache.commit(lengths - 1), context
+
+
+def _initial_state(
+    prompt, lengths, key, settings, sizes, target_cache, drafter, policy, drafter_start=None
+):
+    """The :class:`DecodeState` after prefill (the target has read all but the last token);
+    ``drafter`` is ``(cache, context)`` or ``None``."""
     b, t = prompt.shape
     tokens = jnp.full((b, sizes.sequence), DecodeState.PAD, jnp.int32).at[:, :t].set(prompt)
+    d_cache, d_context = (None, None) if drafter is None else drafter
     return DecodeState(
         tokens=tokens,
         length=lengths,
         prompt_length=lengths,
         done=jnp.zeros((b,), bool),
-        drafter_start=lengths - 2,
+        drafter_start=lengths - 2 if drafter_start is None else drafter_start,
         target_cache=target_cache.commit(lengths - 1),
-        drafter_cache=drafter_cache,
+        drafter_cache=d_cache,
+        drafter_context=d_context,
         policy=policy,
         key=key,
         rounds=jnp.zeros((b,), jnp.int32),
@@ -97,11 +133,23 @@ def prefill(
     Returns:
       The initial :class:`DecodeState`.
     """
-    t_cache = _read_prompt(t_graphdef, t_params, prompt, sizes.target)
-    d_cache = _read_prompt(d_graphdef, d_params, prompt, sizes.drafter)
-    d_cache = d_cache.commit(lengths - 2).repeat(config.branching)
+    taps = config.head_taps
     policy_state = policies_lib.init_policy_state(policy, prompt.shape[0])
-    return _initial_state(prompt, lengths, key, settings, sizes, t_cache, d_cache, policy_state)
+    m = config.branching
+    t_cache = nnx.merge(t_graphdef, t_params).init_cache(prompt.shape[0], sizes.target)
+    _, t_cache, states = _target_pass(t_graphdef, t_params, prompt, t_cache, taps)
+    if taps is None:
+        d_cache = _read_prompt(d_graphdef, d_params, prompt, sizes.drafter)
+        drafter = (d_cache.commit(lengths - 2).repeat(m), None)
+        start = lengths - 2
+    else:
+        d_cache, context = _prefill_head(
+            d_graphdef, d_params, prompt, lengths, states, sizes.drafter, config.reread
+        )
+        drafter, start = (d_cache.repeat(m), context), lengths - 1
+    return _initial_state(
+        prompt, lengths, key, settings, sizes, t_cache, drafter, policy_state, start
+    )
 
 
 def _children(sub: dict, positions: int, m: int):
@@ -136,9 +184,10 @@ def _verify(nb, operands, *, t_graphdef, config):
         st = tree_lib.static_structure(config.branching, config.depth)
         mask = jnp.broadcast_to(jnp.asarray(st.mask[: nb + 1, : nb + 1]), (b, nb + 1, nb + 1))
     fwd_mask = None if isinstance(shape, tree_lib.Chain) else mask
-    logits, cache = _forward(
-        t_graphdef, t_params, toks, cache, positions=positions, attention_mask=fwd_mask
-    )
+    logits, cache, states = _target_pass(
+        t_graphdef, t_params, toks, cache, config.head_taps,
+        positions=positions, attention_mask=fwd_mask,
+    )  # fmt: skip
     if v.sampling:
         children, expanded = _children(sub, nb + 1, config.branching)
         passes, last, token = sample_tree(
@@ -163,6 +212,9 @@ def _verify(nb, operands, *, t_graphdef, config):
         token = jnp.argmax(logits[rows, last], axis=-1).astype(jnp.int32)
     accepted = jnp.sum(on_path, axis=-1, dtype=jnp.int32)
     offsets = tree_lib.path_offsets(on_path, sub["depth"], config.depth)
+    # A head re-reads the accepted path and the target's token with the target's states at
+    # the root and the path's nodes (the positions before them).
+    path_states = None if states is None else jnp.take_along_axis(states, offsets[..., None], 1)
     path_tokens = jnp.take_along_axis(toks, offsets[:, 1:], axis=1)
     new = jnp.concatenate([path_tokens, jnp.zeros((b, 1), jnp.int32)], axis=1)
     new = new.at[rows, accepted].set(token)
@@ -180,7 +232,7 @@ def _verify(nb, operands, *, t_graphdef, config):
         max_children=config.branching,
         certify=config.collect_stats,
     )
-    return cache, accepted, new, offsets, stats_lib.pad_nodes(ns, big_n)
+    return cache, accepted, new, offsets, path_states, stats_lib.pad_nodes(ns, big_n)
 
 
 def _round(t_graphdef, t_params, d_graphdef, d_params, policy, state: DecodeState, config):
@@ -205,6 +257,7 @@ def _round(t_graphdef, t_params, d_graphdef, d_params, policy, state: DecodeStat
         sampling=config.verification.sampling,
         temperature=settings.temperature,
         top_p=settings.top_p,
+        context=state.drafter_context,
     )
     used = tree.valid & active[:, None]
     n_eff = jnp.max(jnp.where(used, jnp.arange(1, tree.num_nodes + 1), 0))
@@ -224,7 +277,7 @@ def _commit(state, config, policy, key, tree, d_cache, verified):
     ``verified`` is what :func:`_verify` returns: the target cache, accepted counts, new
     tokens, accepted-path offsets and node statistics.
     """
-    t_cache, accepted, new, offsets, ns = verified
+    t_cache, accepted, new, offsets, path_states, ns = verified
     active = ~state.done
     settings = state.settings
     remaining = settings.max_new_tokens - state.generated
@@ -245,12 +298,15 @@ def _commit(state, config, policy, key, tree, d_cache, verified):
     length = state.length + count
     finished = has_eos | (length - state.prompt_length >= settings.max_new_tokens)
     depth = jnp.max(jnp.where(tree.valid, tree.depth, 0), axis=-1)
-    if isinstance(config.tree, tree_lib.Chain):
+    if isinstance(config.tree, tree_lib.Chain) and config.head_taps is None:
         # After a rejection the drafter already read every kept token but the target's.
         start = jnp.where(accepted < depth, length - 1, length - 2)
     else:
         start = state.length  # re-read the accepted path and the target's token
     start = jnp.where(active, start, state.drafter_start)
+    context = state.drafter_context
+    if path_states is not None:
+        context = jnp.where(active[:, None, None], path_states, context)
     policy_state = policies_lib.update_policy_state(
         policy, state.policy, drafted=depth, accepted=accepted, active=active
     )
@@ -261,6 +317,7 @@ def _commit(state, config, policy, key, tree, d_cache, verified):
         drafter_start=start,
         target_cache=t_cache,
         drafter_cache=d_cache,
+        drafter_context=context,
         policy=policy_state,
         key=key,
         rounds=state.rounds + active.astype(jnp.int32),

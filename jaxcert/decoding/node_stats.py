@@ -70,7 +70,7 @@ def node_stats(
     parent_pos = parent + 1
     p_par = _gather_positions(target_logits, parent_pos)  # [B, N, V]
     q_par = _gather_positions(q_logits, q_index)  # [B, N, V]
-    kl = kl_divergence(p_par, q_par)
+    kl = kl_divergence(drafter_logits=q_par, target_logits=p_par)  # KL(p || q)
     feats = policies_lib.drafter_features(q_par)
     n_children = (
         jnp.zeros((b, t), jnp.int32)

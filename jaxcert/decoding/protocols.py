@@ -21,7 +21,7 @@ import jax
 
 from jaxcert.models.cache import Cache
 
-__all__ = ["Cache", "DecoderModel", "ModelConfigLike"]
+__all__ = ["Cache", "DecoderModel", "FeatureDrafter", "ModelConfigLike", "reads_target"]
 
 
 @runtime_checkable
@@ -59,3 +59,44 @@ class DecoderModel(Protocol):
     def project(self, hidden: jax.Array) -> jax.Array:
         """The lm_head: ``[..., E]`` hidden states -> ``[..., V]`` float32 logits."""
         ...
+
+
+@runtime_checkable
+class FeatureDrafter(Protocol):
+    """A draft head that reads the target's hidden states (EAGLE): :class:`DecoderModel`'s
+    surface, with a ``context`` for every token it reads.
+
+    The head reads token ``x_t`` with the feature of the position before it: the target's
+    states at ``t - 1`` (through :meth:`fuse`) for tokens the target has verified, its own
+    hidden output at the parent node for drafted ones. The decoder hands it the target's
+    states of each round's accepted path and re-reads those tokens with them
+    (``docs/design.md``, "Draft heads").
+
+    Attributes:
+      taps: the target blocks whose residual streams it fuses (``()``: the target's
+        final-norm hidden states, ``[B, T, E]``).
+    """
+
+    config: ModelConfigLike
+    taps: tuple[int, ...]
+
+    def init_cache(self, batch_size: int, max_length: int) -> Cache: ...
+
+    def fuse(self, target_states: jax.Array) -> jax.Array:
+        """``[B, T, C]`` target states (``C = len(taps) * E``, or ``E``) -> ``[B, T, E]``."""
+        ...
+
+    def features(
+        self, tokens: jax.Array, cache: Cache, *, context: jax.Array, **kwargs
+    ) -> tuple[jax.Array, Cache]:
+        """``[B, T]`` tokens and their ``[B, T, E]`` context -> ``([B, T, E]`` hidden, cache)."""
+        ...
+
+    def project(self, hidden: jax.Array) -> jax.Array:
+        """``[..., E]`` hidden states -> ``[..., V]`` float32 logits (the full vocabulary)."""
+        ...
+
+
+def reads_target(model: object) -> bool:
+    """Whether ``model`` drafts from the target's hidden states (a :class:`FeatureDrafter`)."""
+    return hasattr(model, "fuse") and hasattr(model, "taps")

@@ -135,6 +135,9 @@ class DecodeState:
       target_cache: the target's cache (``B`` rows, ``n - 1`` committed per row).
       drafter_cache: the drafter's cache (``B * M`` rows: one per tree branch);
         ``None`` in the target-only decoder.
+      drafter_context: for a draft head, ``[B, W, C]`` the target's states at the positions
+        before the ``W`` tokens it re-reads next round (``C``: the head's input width);
+        ``None`` otherwise.
       policy: the policy's per-row state; ``None`` in the target-only decoder.
       key: PRNG key (used by sampling only).
       rounds: ``[B]`` int32 rounds each row took part in.
@@ -150,6 +153,7 @@ class DecodeState:
     drafter_start: jax.Array  # [B]
     target_cache: Cache
     drafter_cache: Cache | None
+    drafter_context: jax.Array | None
     policy: PolicyState | None
     key: jax.Array  # [] PRNG key
     rounds: jax.Array  # [B]

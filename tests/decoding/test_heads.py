@@ -1,0 +1,177 @@
+"""Draft heads that read the target's states (`FeatureDrafter`): exactness and the context.
+
+`ContextHead` is the smallest such head: ``hidden = tanh(A[x_t] + context_t)``, no attention,
+and a cache that holds nothing but lengths. Its distribution depends on the context alone
+(besides the token), so the statistics pin down which target states the decoder handed it:
+the root's KL must equal an offline recomputation from a teacher-forced target pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx, struct
+from tiny_decoding import CONFIG, MAX_NEW, PROMPTS, random_model
+
+from jaxcert import decoding
+from jaxcert.decoding.protocols import FeatureDrafter, reads_target
+
+V, E = CONFIG.vocab_size, CONFIG.hidden_size
+
+
+@struct.dataclass
+class LengthCache:
+    """A cache with nothing in it but the committed length per row."""
+
+    length: jax.Array
+
+    def commit(self, num_tokens):
+        return LengthCache(self.length + jnp.asarray(num_tokens, jnp.int32))
+
+    def rollback(self, length):
+        return LengthCache(jnp.broadcast_to(jnp.asarray(length, jnp.int32), self.length.shape))
+
+    def select(self, offsets, count):
+        return LengthCache(self.length + count)
+
+    def repeat(self, times):
+        return LengthCache(jnp.repeat(self.length, times))
+
+    def take_rows(self, rows):
+        return LengthCache(self.length[rows])
+
+    def copy_segments(self, src, start, width):
+        return self
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    vocab_size: int = V
+    max_position_embeddings: int = CONFIG.max_position_embeddings
+
+
+class ContextHead(nnx.Module):
+    def __init__(self, taps: tuple[int, ...], seed: int = 0):
+        k = jax.random.split(jax.random.key(seed), 3)
+        width = len(taps) * E if taps else E
+        self.taps = taps
+        self.a = nnx.Param(jax.random.normal(k[0], (V, E)))
+        self.w_fuse = nnx.Param(jax.random.normal(k[1], (width, E)) * width**-0.5 * 2)
+        self.w_out = nnx.Param(jax.random.normal(k[2], (E, V)) * 2)
+        self.config = Config()
+
+    def init_cache(self, batch_size, max_length):
+        return LengthCache(jnp.zeros((batch_size,), jnp.int32))
+
+    def fuse(self, target_states):
+        return target_states @ self.w_fuse[...]
+
+    def features(self, tokens, cache, *, context, positions=None, attention_mask=None):
+        return jnp.tanh(self.a[...][tokens] + context), cache
+
+    def project(self, hidden):
+        return (hidden @ self.w_out[...]).astype(jnp.float32)
+
+    def __call__(self, tokens, cache, *, context, **kwargs):
+        hidden, cache = self.features(tokens, cache, context=context)
+        return self.project(hidden), cache
+
+
+@pytest.fixture(scope="module")
+def target():
+    return random_model(CONFIG, seed=5)
+
+
+def _config(verify, **kw):
+    return decoding.DecodeConfig(
+        verification=decoding.parse_verify(verify), max_new_tokens=MAX_NEW, max_draft=5, **kw
+    )
+
+
+@pytest.fixture(scope="module")
+def want(target):
+    return decoding.target_decode(target, PROMPTS, max_new_tokens=MAX_NEW).tokens
+
+
+def test_context_head_is_a_feature_drafter():
+    head = ContextHead(taps=(0,))
+    assert isinstance(head, FeatureDrafter) and reads_target(head)
+    assert not reads_target(random_model(CONFIG, seed=1))
+
+
+@pytest.mark.parametrize("taps", [(), (0, 1)], ids=["final-hidden", "taps0-1"])
+@pytest.mark.parametrize("verify", ["greedy", "tree:2x3", "dyntree:3x3x6"])
+def test_speculative_greedy_with_a_head_equals_target_only(target, want, verify, taps):
+    out = decoding.speculative_decode(
+        target, ContextHead(taps), PROMPTS, config=_config(verify), policy=decoding.Constant(k=4)
+    )
+    for got, w in zip(out.tokens, want, strict=True):
+        np.testing.assert_array_equal(got, w)
+
+
+def _teacher_forced(target, seq, taps):
+    """Target logits ``[T, V]`` and the head's input states ``[T, C]`` over one sequence."""
+    tokens = jnp.asarray(seq, jnp.int32)[None]
+    hidden, _, tapped = target.tapped_features(tokens, target.init_cache(1, len(seq)), taps)
+    states = tapped if taps else hidden
+    return np.asarray(target.project(hidden)[0], np.float64), states[0]
+
+
+def _target_logits(target, seq):
+    tokens = jnp.asarray(seq, jnp.int32)[None]
+    return np.asarray(target(tokens, target.init_cache(1, len(seq)))[0][0], np.float64)
+
+
+def _kl(p_logits, q_logits):
+    lp = p_logits - np.logaddexp.reduce(p_logits)
+    lq = q_logits - np.logaddexp.reduce(q_logits)
+    return float(np.sum(np.exp(lp) * (lp - lq)))
+
+
+@pytest.mark.parametrize("taps", [(), (1,)], ids=["final-hidden", "tap1"])
+def test_the_head_reads_the_targets_states_before_each_token(target, want, taps):
+    """Round r's first drafted position is ``n - 1 -> n`` (``n`` tokens so far): the head
+    read ``x_{n-1}`` with the target's states at ``n - 2``; its second read the first draft
+    with its own hidden output at the root. The recorded KLs (``KL(p || q)``) equal the
+    offline ones."""
+    head = ContextHead(taps, seed=3)
+    out = decoding.speculative_decode(
+        target, head, PROMPTS, config=_config("greedy"), policy=decoding.Constant(k=3)
+    )
+    s = out.stats
+    a, w_fuse, w_out = (np.asarray(x[...], np.float64) for x in (head.a, head.w_fuse, head.w_out))
+    checked = 0
+    for b, prompt in enumerate(PROMPTS):
+        seq = list(prompt) + list(out.tokens[b])
+        p_logits, states = _teacher_forced(target, seq, taps)
+        states = np.asarray(states, np.float64)
+        n = len(prompt)
+        for r in range(s.active.shape[0]):
+            if not s.active[r, b]:
+                continue
+            h_root = np.tanh(a[seq[n - 1]] + states[n - 2] @ w_fuse)
+            np.testing.assert_allclose(
+                s.nodes.kl[r, b, 0], _kl(p_logits[n - 1], h_root @ w_out), rtol=1e-4, atol=1e-4
+            )
+            if s.nodes.valid[r, b, 1]:  # the second draft read the first with h_root
+                d1 = int(np.argmax(h_root @ w_out))
+                p_d1 = _target_logits(target, seq[:n] + [d1])[n]
+                h_1 = np.tanh(a[d1] + h_root)
+                np.testing.assert_allclose(
+                    s.nodes.kl[r, b, 1], _kl(p_d1, h_1 @ w_out), rtol=1e-4, atol=1e-4
+                )
+                checked += 1
+            n += int(s.emitted[r, b])
+    assert checked > 0
+
+
+def test_a_head_fusing_a_block_the_target_lacks_is_named(target):
+    with pytest.raises(ValueError, match=r"fuses target blocks \(0, 7\), but the target has 2"):
+        decoding.speculative_decode(
+            target, ContextHead((0, 7)), PROMPTS, config=_config("greedy"),
+            policy=decoding.Constant(k=2),
+        )  # fmt: skip
