@@ -19,6 +19,7 @@ from tiny_decoding import CONFIG, MAX_NEW, PROMPTS, random_model
 
 from jaxcert import decoding
 from jaxcert.decoding.protocols import FeatureDrafter, reads_target
+from jaxcert.models import EagleHead
 
 V, E = CONFIG.vocab_size, CONFIG.hidden_size
 
@@ -111,6 +112,23 @@ def test_speculative_greedy_with_a_head_equals_target_only(target, want, verify,
     )
     for got, w in zip(out.tokens, want, strict=True):
         np.testing.assert_array_equal(got, w)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [dict(), dict(taps=(0, 1), draft_vocab=range(0, V, 2), num_layers=2)],
+    ids=["eagle1", "eagle3-2layers-halfvocab"],
+)
+@pytest.mark.parametrize("verify", ["greedy", "tree:2x3", "dyntree:3x3x6"])
+def test_speculative_greedy_with_an_eagle_head_equals_target_only(target, want, verify, kw):
+    head = EagleHead.from_target(target, rngs=nnx.Rngs(1), **kw)
+    out = decoding.speculative_decode(
+        target, head, PROMPTS, config=_config(verify), policy=decoding.Constant(k=4)
+    )
+    for got, w in zip(out.tokens, want, strict=True):
+        np.testing.assert_array_equal(got, w)
+    ns = out.stats.nodes
+    assert np.all(np.isfinite(ns.kl[ns.valid])) and np.all(np.isfinite(ns.cert[ns.valid]))
 
 
 def _teacher_forced(target, seq, taps):

@@ -4,12 +4,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from scipy import stats
 from tiny_decoding import CONFIG, random_model
 
 from jaxcert import decoding
 from jaxcert.decoding.verify import sampling_log_probs
-from jaxcert.models import KVCache, forward
+from jaxcert.models import EagleHead, KVCache, forward
 
 SMALL = CONFIG.__class__(**{**CONFIG.__dict__, "vocab_size": 8})
 PROMPT = [1, 2, 3]
@@ -51,7 +52,23 @@ def _chi_square(observed, expected):
     [("sample", 1.0, 1.0), ("tree:2x2+sample", 0.7, 0.8)],
 )
 def test_sampling_matches_target_distribution(small_pair, verify, temperature, top_p):
-    target, drafter = small_pair
+    _check_sampling(*small_pair, verify, temperature, top_p)
+
+
+@pytest.mark.parametrize(
+    "verify, temperature, top_p", [("sample", 1.0, 1.0), ("tree:2x2+sample", 0.7, 0.8)]
+)
+def test_sampling_with_an_eagle_head_matches_target_distribution(
+    small_pair, verify, temperature, top_p
+):
+    """An EAGLE-3 head (two fused blocks) over 6 of the 8 tokens: the two outside have the
+    shared logit, so q is positive everywhere and rejection sampling stays exact."""
+    target, _ = small_pair
+    head = EagleHead.from_target(target, rngs=nnx.Rngs(3), taps=(0, 1), draft_vocab=range(6))
+    _check_sampling(target, head, verify, temperature, top_p)
+
+
+def _check_sampling(target, drafter, verify, temperature, top_p):
     config = decoding.DecodeConfig(
         verification=decoding.parse_verify(verify),
         max_new_tokens=3,
