@@ -69,6 +69,7 @@ from flax import nnx
 
 from jaxcert.models.cache import KVCache
 from jaxcert.models.config import ModelConfig
+from jaxcert.models.sharding import Layout, constrain
 from jaxcert.models.transformer import (
     Block,
     RMSNorm,
@@ -194,6 +195,7 @@ class EagleHead(nnx.Module):
         self.taps = taps
         self.draft_size = v if ids is None else int(ids.size)
         self.dtype = dtype
+        self.layout: Layout | None = None  # set by `jaxcert.models.shard`, as a Transformer's
 
         init = lambda shape: _INIT(rngs.params(), shape, param_dtype)  # noqa: E731
         kw = dict(eps=target_config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
@@ -322,9 +324,10 @@ class EagleHead(nnx.Module):
         x = jnp.take(self.embedding[...], tokens, axis=0).astype(self.dtype)  # [B, T, E]
         x = jnp.concatenate([self.embed_norm(x), self.context_norm(context)], axis=-1)
         x = jnp.einsum("BTF,FE->BTE", x, self.fc[...].astype(self.dtype))  # F = 2E
+        x = constrain(self.layout, x, ("batch", None, "embed"))
         keys, values = [], []
         for layer, k_buf, v_buf in zip(self.layers, cache.keys, cache.values, strict=True):
-            x, k_buf, v_buf = layer(x, cos, sin, k_buf, v_buf, cache.length, mask)
+            x, k_buf, v_buf = layer(x, cos, sin, k_buf, v_buf, cache.length, mask, self.layout)
             keys.append(k_buf)
             values.append(v_buf)
         return self.norm(x), KVCache(keys=tuple(keys), values=tuple(values), length=cache.length)

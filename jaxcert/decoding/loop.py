@@ -30,6 +30,7 @@ from jaxcert.decoding.draft import draft
 from jaxcert.decoding.protocols import Cache
 from jaxcert.decoding.state import DecodeState, RoundStats, Settings
 from jaxcert.decoding.verify import in_accepted_set, sample_tree, sampling_log_probs
+from jaxcert.models.sharding import constrain
 from jaxcert.models.transformer import decode_step
 from jaxcert.models.transformer import forward as _forward
 
@@ -76,6 +77,35 @@ def _prefill_head(d_graphdef, d_params, prompt, lengths, states, slots, width):
     context = jnp.zeros((prompt.shape[0], width, states.shape[-1]), states.dtype)
     context = context.at[:, 0].set(states[rows, lengths - 2])
     return cache.commit(lengths - 1), context
+
+
+_PER_ROW = ("tokens", "length", "prompt_length", "done", "drafter_start", "drafter_context")
+
+
+def _pin(state: DecodeState, layout) -> DecodeState:
+    """Keeps the per-row fields of ``state`` split over the batch axis on a mesh (``layout``
+    of the target; ``None``: one device, nothing to do).
+
+    The compiled round loop takes the prefill's output shardings as its input shardings;
+    without a constraint XLA may choose other shardings for the loop's outputs (it did for a
+    draft head's state), and the next call would refuse them.
+    """
+    if layout is None:
+        return state
+
+    def pin(x):
+        return constrain(layout, x, ("batch",) + (None,) * (x.ndim - 1))
+
+    fields = {
+        name: pin(getattr(state, name)) for name in _PER_ROW if getattr(state, name) is not None
+    }
+    policy = None if state.policy is None else jax.tree.map(pin, state.policy)
+    return state.replace(rounds=pin(state.rounds), policy=policy, **fields)
+
+
+def _layout(graphdef, params):
+    """The target's mesh layout (``None`` on one device or for a model without one)."""
+    return getattr(nnx.merge(graphdef, params), "layout", None)
 
 
 def _initial_state(
@@ -147,9 +177,10 @@ def prefill(
             d_graphdef, d_params, prompt, lengths, states, sizes.drafter, config.reread
         )
         drafter, start = (d_cache.repeat(m), context), lengths - 1
-    return _initial_state(
+    state = _initial_state(
         prompt, lengths, key, settings, sizes, t_cache, drafter, policy_state, start
     )
+    return _pin(state, _layout(t_graphdef, t_params))
 
 
 def _children(sub: dict, positions: int, m: int):
@@ -365,6 +396,8 @@ def run_rounds(
     b = state.length.shape[0]
     buffers = stats_lib.empty_round_stats(r_max, b, config.num_nodes)
 
+    layout = _layout(t_graphdef, t_params)
+
     def cond(carry):
         r, state, _ = carry
         return (r < r_max) & ~jnp.all(state.done)
@@ -373,7 +406,7 @@ def run_rounds(
         r, state, buffers = carry
         state, rs = _round(t_graphdef, t_params, d_graphdef, d_params, policy, state, config)
         buffers = jax.tree.map(lambda buf, x: buf.at[r].set(x), buffers, rs)
-        return r + 1, state, buffers
+        return r + 1, _pin(state, layout), buffers
 
     _, state, buffers = lax.while_loop(cond, body, (jnp.asarray(0, jnp.int32), state, buffers))
     return state, buffers

@@ -76,6 +76,17 @@ report["params"] = spec_of(placed.layers[0].attn.q_proj.get_value())
 print(json.dumps(report))
 """
 
+_HEAD_SNIPPET = """
+from flax import nnx
+mesh = jax.make_mesh((4,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:4])
+placed = models.shard(target, mesh)
+head = models.EagleHead.from_target(target, rngs=nnx.Rngs(2), taps=(0, 1))
+prompts = [[5, 17, 3, 44, 9], [1, 2, 3, 4, 5, 6, 7, 8, 9], [30, 12, 7], [8, 8, 1, 60]]
+drafter = head  # compare() decodes one device with `drafter`, the mesh with the placed head
+report = compare(prompts, "tree:2x3", (6,), placed, head)
+print(json.dumps(report))
+"""
+
 _TENSOR_SNIPPET = """
 mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=AUTO)
 placed, placed_drafter = models.shard(target, mesh), models.shard(drafter, mesh)
@@ -106,6 +117,14 @@ def test_batch_sharded_target_decodes_like_one_device():
     report = run(_PRELUDE + _BATCH_SNIPPET)
     _check(report)
     assert report["params"] == [None, None]
+    target_cache, drafter_cache, tokens = report["cache"]
+    assert target_cache[0] == drafter_cache[0] == tokens[0] == "data"
+
+
+@pytest.mark.slow
+def test_batch_sharded_target_with_an_eagle_head_decodes_like_one_device():
+    report = run(_PRELUDE + _HEAD_SNIPPET)
+    _check(report)
     target_cache, drafter_cache, tokens = report["cache"]
     assert target_cache[0] == drafter_cache[0] == tokens[0] == "data"
 
