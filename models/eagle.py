@@ -425,6 +425,41 @@ def save_head(head: EagleHead, folder: str | os.PathLike) -> pathlib.Path:
     return folder
 
 
+def is_head_folder(path: str | os.PathLike) -> bool:
+    """Whether `path` is a folder `save_head` wrote (it holds a `head.json`)."""
+    return (pathlib.Path(path) / "head.json").is_file()
+
+
+def read_head_config(folder: str | os.PathLike) -> ModelConfig:
+    """The target `ModelConfig` recorded in `folder`'s `head.json`, without reading tensors.
+
+    Raises:
+      ValueError: no `head.json` in `folder`.
+    """
+    path = pathlib.Path(folder) / "head.json"
+    if not path.is_file():
+        raise ValueError(f"{folder} has no head.json (see save_head).")
+    cfg = json.loads(path.read_text())["target_config"]
+    return ModelConfig(**dict(cfg, eos_token_ids=tuple(cfg["eos_token_ids"])))
+
+
+def check_head_fits(head: EagleHead, target_config: ModelConfig) -> None:
+    """Refuses a head trained for another target.
+
+    Raises:
+      ValueError: the vocabulary size, hidden width or block count of `target_config`
+        differs from the head's recorded target (each named).
+    """
+    fields = ("vocab_size", "hidden_size", "num_layers")
+    diff = [
+        f"{f} {getattr(head.target_config, f)} (head) vs {getattr(target_config, f)} (target)"
+        for f in fields
+        if getattr(head.target_config, f) != getattr(target_config, f)
+    ]
+    if diff:
+        raise ValueError(f"the draft head was built for another target: {'; '.join(diff)}")
+
+
 def load_head(folder: str | os.PathLike) -> EagleHead:
     """The head `save_head` wrote into `folder`.
 

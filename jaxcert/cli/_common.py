@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import pathlib
 
 from jaxcert.base.validate import parsed_by
 from jaxcert.cli.argtypes import non_negative, positive
@@ -55,6 +56,34 @@ def load_model(option: str, name_or_path, **kwargs):
         raise ValueError(f"{option}: {err}") from None
 
 
+def load_drafter(name_or_path, target, **kwargs):
+    """The ``--drafter``: a language model (``models.load``) or a draft head folder
+    (``models.eagle.save_head``), checked against ``target`` (a ``models.LoadedModel``).
+
+    A head is returned as a ``models.LoadedModel`` with the target's tokenizer and the
+    head's folder as its path (placed on ``kwargs["mesh"]`` when given).
+
+    Raises:
+      ValueError: as ``models.load``; a head built for another target (prefixed with
+        ``--drafter``).
+    """
+    from jaxcert import models
+    from jaxcert.models import eagle
+
+    if not eagle.is_head_folder(name_or_path):
+        return load_model("--drafter", name_or_path, **kwargs)
+    try:
+        head = eagle.load_head(name_or_path)
+        eagle.check_head_fits(head, target.config)
+    except ValueError as err:
+        raise ValueError(f"--drafter: {err}") from None
+    if kwargs.get("mesh") is not None:
+        head = models.shard(head, kwargs["mesh"])
+    return models.LoadedModel(
+        model=head, tokenizer=target.tokenizer, config=head.config, path=pathlib.Path(name_or_path)
+    )
+
+
 def check_vocabularies(target, drafter) -> None:
     """Refuses a target and a drafter of different vocabulary sizes, from their configs alone.
 
@@ -70,10 +99,14 @@ def check_vocabularies(target, drafter) -> None:
         (prefixed with the option that named it).
     """
     from jaxcert import models
+    from jaxcert.models import eagle
 
     configs = []
     for option, name_or_path in (("--target", target), ("--drafter", drafter)):
         try:
+            if eagle.is_head_folder(name_or_path):  # a draft head: its target's config
+                configs.append(eagle.read_head_config(name_or_path))
+                continue
             configs.append(models.read_config(name_or_path))
         except ValueError as err:
             raise ValueError(f"{option}: {err}") from None

@@ -10,12 +10,15 @@ import json
 import pathlib
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 from jaxcert.cli import DEFAULT_DECODE_TARGET, DEFAULT_DRAFTER
 from jaxcert.cli._common import (
     add_mesh_argument,
     add_prompt_arguments,
     check_vocabularies,
+    load_drafter,
     load_model,
     load_prompt_set,
     policy_arg,
@@ -49,7 +52,9 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--drafter",
         default=DEFAULT_DRAFTER,
-        help="the same for the drafter, with the target's vocabulary (default %(default)s)",
+        help="the same for the drafter, with the target's vocabulary, or a draft head's "
+        "folder (head.json + head.safetensors, written by jaxcert.models.eagle.save_head) "
+        "trained for the target (default %(default)s)",
     )
     add_prompt_arguments(p)
     p.add_argument(
@@ -248,7 +253,7 @@ def _load(args, mesh):
 
     t0 = time.perf_counter()
     target = load_model("--target", args.target, mesh=mesh)  # each weight onto its shards
-    drafter = load_model("--drafter", args.drafter, mesh=mesh)
+    drafter = load_drafter(args.drafter, target, mesh=mesh)
     decoding.check_pair(target, drafter)
     return target, drafter, time.perf_counter() - t0
 
@@ -278,8 +283,13 @@ def _decode(args, target, drafter, encoded, policy, config) -> dict:
     key = jax.random.key(args.seed)
     width = decoding.bucket(max(len(e) for e in encoded))  # one program for every batch
     progress = DecodeProgress(len(encoded) * args.max_new_tokens * (1 if args.no_baseline else 2))
-    runs = {"target": [], "speculative": []}
-    common = {"prompt_width": width, "on_compile": progress.compiling}
+    runs: dict[str, list] = {"target": [], "speculative": []}
+    common: dict[str, Any] = {"prompt_width": width, "on_compile": progress.compiling}
+
+    def advance_from(offset: int) -> Callable[[int], None]:
+        """A call's progress callback: the bar at ``offset`` plus the call's ``n`` new tokens."""
+        return lambda n: progress.advance(offset + n)
+
     for start in range(0, len(encoded), args.batch_size):
         batch = encoded[start : start + args.batch_size]
         key, k1, k2 = jax.random.split(key, 3)
@@ -288,13 +298,13 @@ def _decode(args, target, drafter, encoded, policy, config) -> dict:
             runs["target"].append(decoding.target_decode(
                 target, batch, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                 top_p=args.top_p, eos_ids=config.eos_ids, key=k1,
-                progress=lambda n, done=done: progress.advance(done + n), **common,
+                progress=advance_from(done), **common,
             ))  # fmt: skip
             done += len(batch) * args.max_new_tokens  # rows that ended early count in full
             progress.advance(done)
         runs["speculative"].append(decoding.speculative_decode(
             target, drafter, batch, policy=policy, config=config, key=k2,
-            progress=lambda n, done=done: progress.advance(done + n), **common,
+            progress=advance_from(done), **common,
         ))  # fmt: skip
         progress.advance(done + len(batch) * args.max_new_tokens)
     progress.close()

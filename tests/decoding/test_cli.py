@@ -96,3 +96,40 @@ def test_decode_refuses_a_prompt_set_as_a_model(files, monkeypatch, capsys):
             "--prompts", str(files["prompts"]), "--out", str(files["root"] / "x")]  # fmt: skip
     assert cli.main(argv) == 2
     assert "--target: 'mtbench' is a prompt set, not a model" in capsys.readouterr().err
+
+
+def test_decode_drafts_with_a_saved_eagle_head(files, target, monkeypatch, capsys):
+    from flax import nnx
+
+    from jaxcert.models import EagleHead
+    from jaxcert.models.eagle import save_head
+
+    monkeypatch.setenv("JAXCERT_CACHE", str(files["root"] / "cache"))
+    head = EagleHead.from_target(target, rngs=nnx.Rngs(4), taps=(0, 1))
+    folder = save_head(head, files["root"] / "head")
+    out = files["root"] / "head-out"
+    argv = ["decode", "--target", str(files["target"]), "--drafter", str(folder),
+            "--prompts", str(files["prompts"]), "--policy", "constant:3",
+            "--verify", "tree:2x2", "--max-new-tokens", "8", "--batch-size", "2",
+            "--out", str(out)]  # fmt: skip
+    assert cli.main(argv) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["identical_outputs"] == "2/2"
+    assert summary["drafter"] == str(folder)
+
+
+def test_decode_refuses_a_head_of_another_target(files, monkeypatch, capsys):
+    from flax import nnx
+
+    from jaxcert.models import EagleHead
+    from jaxcert.models.eagle import save_head
+
+    monkeypatch.setenv("JAXCERT_CACHE", str(files["root"] / "cache"))
+    other = CONFIG.__class__(**{**CONFIG.__dict__, "num_layers": 3})
+    folder = save_head(EagleHead(other, rngs=nnx.Rngs(0)), files["root"] / "other-head")
+    argv = ["decode", "--target", str(files["target"]), "--drafter", str(folder),
+            "--prompts", str(files["prompts"]), "--out", str(files["root"] / "x")]  # fmt: skip
+    assert cli.main(argv) == 2
+    assert "--drafter: the draft head was built for another target: num_layers 3 (head)" in (
+        capsys.readouterr().err
+    )
