@@ -40,9 +40,9 @@ token by token. b starts at ``log(1e-4 / (V - V'))`` (`OOV_INIT_MASS`): all outs
 together weigh 1e-4 of one token of logit 0. The full logits are one scatter of the V'
 logits into an array filled with b, at the (sorted, unique) ids.
 
-Positions: the head's cache slot t holds the pair (x_t, f_{t-1}), so for a prompt x_0..x_n
-the head is fed x_1..x_n with the target's features of x_0..x_{n-1}; its RoPE positions
-default to the slot (``length + t``), as the target's.
+Positions: the head's cache slot t holds the pair (x_t, f_{t-1}); the decoder feeds x_0 with
+a zero feature (there is no position before it), so for a prompt x_0..x_n slot t holds x_t
+for every t; its RoPE positions default to the slot (``length + t``), as the target's.
 
 Initialisation: :meth:`EagleHead.from_target` copies the target's embedding (the same array
 when the dtypes agree: no copy in memory), its final-norm scale and the draft-vocabulary
