@@ -175,8 +175,8 @@ def draft(
     max_depth: int,
     width: int,
     sampling: bool,
-    temperature: float,
-    top_p: float,
+    temperature: jax.typing.ArrayLike,
+    top_p: jax.typing.ArrayLike,
     context: jax.Array | None = None,
 ) -> tuple[DraftTree, Cache]:
     """Drafts one tree (or chain) per row.
@@ -191,7 +191,8 @@ def draft(
       key: PRNG key (sampling).
       shape: chain, static or dynamic tree; ``max_depth`` its depth ``K``.
       width: the static re-read width (``DecodeConfig.reread``).
-      sampling, temperature, top_p: draw instead of taking the drafter's top choices.
+      sampling, temperature, top_p: draw instead of taking the drafter's top choices
+        (temperature and top-p: scalars, traced).
       context: for a draft head, ``[B, width, C]`` the target's states before the re-read
         tokens (``DecodeState.drafter_context``); ``None`` for a language model.
 
@@ -259,7 +260,7 @@ def draft(
     go = cont & (1 < limit)
     init = (depth, go, survival, frontier, parent_slot, f_ctx, nodes, q_buf, cache, key)
     _, _, _, _, _, _, nodes, q_buf, cache, _ = lax.while_loop(cond, body, init)
-    if dynamic:
+    if isinstance(shape, tree_lib.DynamicTree):
         return _select_dynamic(nodes, q_buf, shape.nodes), cache
     st = tree_lib.static_structure(m, max_depth)
     full = lambda a: jnp.broadcast_to(jnp.asarray(a, jnp.int32), (b, a.shape[0]))  # noqa: E731

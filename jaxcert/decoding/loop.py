@@ -271,6 +271,7 @@ def _round(t_graphdef, t_params, d_graphdef, d_params, policy, state: DecodeStat
     active = ~state.done
     settings = state.settings
     remaining = settings.max_new_tokens - state.generated
+    assert state.drafter_cache is not None and state.policy is not None  # a speculative state
     tree, d_cache = draft(
         d_graphdef,
         d_params,
