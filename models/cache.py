@@ -18,7 +18,7 @@ are split over batch rows (``data``) and key/value heads (``model``); heads repl
 from __future__ import annotations
 
 import functools
-from typing import Protocol, Self, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, Self, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -92,6 +92,10 @@ class KVCache:
     keys: tuple[jax.Array, ...]  # L × [B, G, S, D]
     values: tuple[jax.Array, ...]  # L × [B, G, S, D]
     length: jax.Array  # [B] int32
+
+    if TYPE_CHECKING:  # struct.dataclass adds it at run time, out of mypy's sight
+
+        def replace(self, **updates: Any) -> KVCache: ...
 
     @classmethod
     def create(

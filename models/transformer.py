@@ -177,7 +177,7 @@ class Attention(nnx.Module):
         q = constrain(layout, q, ("batch", None, "heads", None))
         k = constrain(layout, k, ("batch", None, "kv_heads", None))
         v = constrain(layout, v, ("batch", None, "kv_heads", None))
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:  # both or neither (qk_norm)
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, cos, sin, c.rope_layout)
         k = apply_rope(k, cos, sin, c.rope_layout)

@@ -15,7 +15,7 @@ for trees the accepted path and the target's token).
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import jax
 import numpy as np
@@ -56,6 +56,10 @@ class DraftTree:
     q_index: jax.Array  # [B, N]
     q_logits: jax.Array  # [B, X, V]
 
+    if TYPE_CHECKING:  # struct.dataclass adds it at run time, out of mypy's sight
+
+        def replace(self, **updates: Any) -> DraftTree: ...
+
     @property
     def num_nodes(self) -> int:
         """N, node slots per row."""
@@ -71,6 +75,10 @@ class PolicyState:
     """
 
     k: jax.Array  # [B]
+
+    if TYPE_CHECKING:  # struct.dataclass adds it at run time, out of mypy's sight
+
+        def replace(self, **updates: Any) -> PolicyState: ...
 
 
 @struct.dataclass
@@ -92,17 +100,22 @@ class Settings:
     top_p: jax.Array  # []
     eos_ids: jax.Array  # [MAX_EOS]
 
+    if TYPE_CHECKING:  # struct.dataclass adds it at run time, out of mypy's sight
+
+        def replace(self, **updates: Any) -> Settings: ...
+
     @classmethod
     def create(cls, max_new_tokens: int, temperature: float, top_p: float, eos_ids) -> Settings:
         """Host values to a ``Settings`` (``eos_ids``: at most ``MAX_EOS`` ids)."""
         eos = cls.check_eos_ids(eos_ids)
         padded = np.full((cls.MAX_EOS,), -1, np.int32)
         padded[: len(eos)] = eos
+        # numpy host values (the fields' jax.Array is what a jitted program receives them as)
         return cls(
-            max_new_tokens=np.asarray(max_new_tokens, np.int32),
-            temperature=np.asarray(temperature, np.float32),
-            top_p=np.asarray(top_p, np.float32),
-            eos_ids=padded,
+            max_new_tokens=cast(jax.Array, np.asarray(max_new_tokens, np.int32)),
+            temperature=cast(jax.Array, np.asarray(temperature, np.float32)),
+            top_p=cast(jax.Array, np.asarray(top_p, np.float32)),
+            eos_ids=cast(jax.Array, padded),
         )
 
     @classmethod
@@ -159,6 +172,10 @@ class DecodeState:
     rounds: jax.Array  # [B]
     settings: Settings
 
+    if TYPE_CHECKING:  # struct.dataclass adds it at run time, out of mypy's sight
+
+        def replace(self, **updates: Any) -> DecodeState: ...
+
     @property
     def generated(self) -> jax.Array:
         """``[B]`` int32 output tokens so far (may exceed the budget by the last round's extra)."""
@@ -205,6 +222,10 @@ class NodeStats:
     q_top: jax.Array  # [B, N]
     q_cert: jax.Array  # [B, N]
 
+    if TYPE_CHECKING:  # struct.dataclass adds it at run time, out of mypy's sight
+
+        def replace(self, **updates: Any) -> NodeStats: ...
+
 
 @struct.dataclass
 class RoundStats:
@@ -229,3 +250,7 @@ class RoundStats:
     accepted: jax.Array  # [R, B]
     emitted: jax.Array  # [R, B]
     nodes: NodeStats
+
+    if TYPE_CHECKING:  # struct.dataclass adds it at run time, out of mypy's sight
+
+        def replace(self, **updates: Any) -> RoundStats: ...
