@@ -7,6 +7,7 @@ import pathlib
 import sys
 import textwrap
 import time
+from typing import TYPE_CHECKING
 
 from jaxcert.cli import DEFAULT_RULES, DEFAULT_TARGET
 from jaxcert.cli._common import (
@@ -20,6 +21,9 @@ from jaxcert.cli._common import (
 from jaxcert.cli.argtypes import non_negative, positive
 from jaxcert.models import mesh as mesh_lib
 from jaxcert.pipeline import distributed
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 __all__ = ["add_parser", "run"]
 
@@ -189,7 +193,7 @@ class _Display:
     first report, so a run that fails or has nothing to do shows no empty bar)."""
 
     def __init__(self, desc: str):
-        self.bar = None
+        self.bar: tqdm | None = None
         self.desc = desc
         self.started: float | None = None
 
@@ -267,11 +271,12 @@ def _run(args, dist: distributed.Distributed, peers: distributed.Peers) -> int:
     info = _certify(run, writer, display, dist, tag) | {"prompts_resumed": len(done)}
     writer.close("running", info=info)  # "complete" only once every part is in
     if multi:
-        info = peers.merge(writer, fingerprint, info)
-        if info is None:  # not process 0: its part is merged
+        merged = peers.merge(writer, fingerprint, info)
+        if merged is None:  # not process 0: its part is merged
             print(f"{tag} {run.info['positions']} positions of {len(run.order)} prompts sent "
                   "to process 0, which wrote the tables", file=sys.stderr)  # fmt: skip
             return 0
+        info = merged
     certify_store.finish(writer, run.usable, info)
     text = certify_report.write_report(
         args.out, info, meta, rules, options, started=started, plots=not args.no_plots

@@ -485,6 +485,8 @@ def write_certificates(out: pathlib.Path, tables, *, kept=None) -> list[str]:
                 bad = np.flatnonzero(~table["valid"].to_numpy(zero_copy_only=False))
                 invalid += [_row_name(table, int(i)) for i in bad]
             rows += table.num_rows
+        if writer is None:  # the readers raise on an empty input before any table
+            raise ValueError("no certificates to write: no tables")
         writer.close()
         os.replace(tmp, out / CERTIFICATES)
         (out / PARTIAL).unlink(missing_ok=True)  # an earlier failed run's rows are superseded

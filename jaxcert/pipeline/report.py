@@ -111,7 +111,7 @@ def run_lengths(
         values = np.zeros(shape, np.float64)
         values[:, segment, offset] = table.column(name).to_numpy(zero_copy_only=False)
         runs = np.asarray(bounds.certified_run_length(values, eps, where=mask[None]))  # [E, P, T]
-        row = {"column": name}
+        row: dict[str, str | float] = {"column": name}
         for e, budget in enumerate(budgets):
             row[f"eps={budget:g}"] = float(runs[e][mask].mean()) if mask.any() else math.nan
         out.append(row)

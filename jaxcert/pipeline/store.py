@@ -370,7 +370,9 @@ class ShardWriter:
         self._write_shard(table, self._next_name())
 
     def _next_name(self) -> str:
-        index = 1 + max((_shard_index(s["file"]) for s in self.shards), default=-1)
+        # every shard is a part-NNNNN file (resuming skips other names; this writer makes none)
+        taken = (_shard_index(s["file"]) for s in self.shards)
+        index = 1 + max((i for i in taken if i is not None), default=-1)
         return f"part-{index:05d}.parquet"
 
     def _write_shard(self, table: pa.Table, name: str) -> None:
