@@ -37,10 +37,6 @@ __all__ = [
     "Distributed",
     "Peers",
     "ProcessFailed",
-    "announce_result",
-    "broadcast_bytes",
-    "exchange_bytes",
-    "fail_broadcast",
     "initialize_distributed",
 ]
 
@@ -125,13 +121,14 @@ def initialize_distributed(
     if given is None:
         return Distributed()
     _use_gloo()
-    store = None
-    if None not in given:
+    coordinator, num_processes, process_id = given
+    store: _Store | _Remote | None = None
+    if coordinator is not None and num_processes is not None and process_id is not None:
         # JAX aborts the process (absl fatal error) when a peer does not connect in time: meet
         # first, where a missing peer is an error this process can report.
-        store = _rendezvous(*given, timeout_s)
+        store = _rendezvous(coordinator, num_processes, process_id, timeout_s)
     try:
-        index, count = _initialize_jax(*given, timeout_s)
+        index, count = _initialize_jax(coordinator, num_processes, process_id, timeout_s)
         if store is None and count > 1:
             store = _store_by_broadcast(index)
     except BaseException:
@@ -141,7 +138,9 @@ def initialize_distributed(
     return Distributed(index, count, store)
 
 
-def _settings(coordinator, num_processes, process_id, auto):
+def _settings(
+    coordinator: str | None, num_processes: int | None, process_id: int | None, auto: bool
+) -> tuple[str | None, int | None, int | None] | None:
     """The coordinator, process count and index from the arguments and the environment,
     checked; ``None`` for a single-process run (nothing to initialise)."""
     coordinator = coordinator or os.environ.get(_ENV["coordinator"]) or None
@@ -181,7 +180,9 @@ def _use_gloo() -> None:
     import jax
 
     try:  # gloo is the default in recent JAX; older versions had no CPU collectives
-        if jax.config.jax_cpu_collectives_implementation in (None, "none"):
+        # jax.config's options are attributes it adds at run time, which its typing lacks
+        current = jax.config.jax_cpu_collectives_implementation  # type: ignore[attr-defined]
+        if current in (None, "none"):
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
     except AttributeError:  # an option this JAX does not know
         pass
@@ -226,12 +227,12 @@ def _rendezvous(coordinator: str, num_processes: int, process_id: int, timeout_s
         elsewhere: process 0 could not be reached), or a process index or count that
         another process does not share.
     """
-    host, port = coordinator.rsplit(":", 1)
-    host, port = host.strip("[]"), int(port)
+    host, port_text = coordinator.rsplit(":", 1)
+    host, port = host.strip("[]"), int(port_text)
     deadline = time.monotonic() + timeout_s
     if process_id != 0:
-        words = b"%d %d" % (process_id, num_processes)
-        answer = _join(coordinator, (host, port), words, deadline, timeout_s)
+        hello = b"%d %d" % (process_id, num_processes)
+        answer = _join(coordinator, (host, port), hello, deadline, timeout_s)
         words = answer.split()
         if len(words) != 2 or words[0] != b"go" or not words[1].isdigit():
             said = answer.decode() if answer.startswith(b"refused") else None
@@ -396,7 +397,7 @@ class _Store:
     the value got (``{"timeout": true}`` when none came in time).
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._server = _server(0)
         self.port = self._server.getsockname()[1]
         self._values: dict[str, bytes] = {}
@@ -504,7 +505,7 @@ def _store(dist: Distributed):
 _FAILED = b"\x00jaxcert-failed\x00"
 
 
-def exchange_bytes(
+def _exchange_bytes(
     name: str,
     payload: bytes | None,
     dist: Distributed,
@@ -517,7 +518,7 @@ def exchange_bytes(
     Goes through the run's store (process 0's, over TCP), so the processes need no shared
     file system. A process that failed passes ``error`` instead of a payload. Process 0
     receives each process's outcome, a failure included, so that it can keep what the
-    others sent; the other processes then wait for process 0's :func:`announce_result`,
+    others sent; the other processes then wait for process 0's :func:`_announce_result`,
     so every process ends with the run's outcome.
 
     Args:
@@ -560,8 +561,8 @@ def exchange_bytes(
     return parts
 
 
-def announce_result(name: str, dist: Distributed, error: str | None = None) -> None:
-    """Process 0 tells the others how the run ended (they wait in :func:`exchange_bytes`),
+def _announce_result(name: str, dist: Distributed, error: str | None = None) -> None:
+    """Process 0 tells the others how the run ended (they wait in :func:`_exchange_bytes`),
     and waits (a minute at most) until each one waiting has been told."""
     if dist.process_count > 1 and dist.is_main:
         key = f"jaxcert/{name}/result"
@@ -570,13 +571,13 @@ def announce_result(name: str, dist: Distributed, error: str | None = None) -> N
         store.drain(key)
 
 
-def broadcast_bytes(
+def _broadcast_bytes(
     name: str, payload: bytes | None, dist: Distributed, *, timeout_s: float = 24 * 3600
 ) -> bytes:
     """Process 0's ``payload`` on every process (process 0 passes it, the others ``None``).
 
     Raises:
-      ProcessFailed: process 0 sent a failure (:func:`fail_broadcast`) or nothing in time.
+      ProcessFailed: process 0 sent a failure (:func:`_fail_broadcast`) or nothing in time.
     """
     if dist.process_count == 1:
         return payload or b""
@@ -587,8 +588,8 @@ def broadcast_bytes(
     return _check(_ask(lambda: store.get(key, timeout_s), 0, dist, timeout_s), 0, dist)
 
 
-def fail_broadcast(name: str, dist: Distributed, error: str) -> None:
-    """Process 0 failed before :func:`broadcast_bytes`: the others raise instead of waiting."""
+def _fail_broadcast(name: str, dist: Distributed, error: str) -> None:
+    """Process 0 failed before :func:`_broadcast_bytes`: the others raise instead of waiting."""
     if dist.process_count > 1 and dist.is_main:
         _store(dist).set(f"jaxcert/{name}/broadcast", _FAILED + error.encode())
 
@@ -626,9 +627,9 @@ class Peers:
     process).
 
     Two meetings: at the start process 0 tells the others what is already done
-    (:meth:`start`, through :func:`broadcast_bytes`), at the end the parts go to process 0
-    (:meth:`merge`, through :func:`exchange_bytes`), which announces the outcome
-    (:meth:`done`, :func:`announce_result`). A process that fails says so at once, exactly
+    (:meth:`start`, through :func:`_broadcast_bytes`), at the end the parts go to process 0
+    (:meth:`merge`, through :func:`_exchange_bytes`), which announces the outcome
+    (:meth:`done`, :func:`_announce_result`). A process that fails says so at once, exactly
     once (:meth:`fail`), instead of leaving the others waiting.
     """
 
@@ -666,32 +667,32 @@ class Peers:
             return done or {}
         self.started = True
         payload = None if done is None else json.dumps(done).encode()
-        return json.loads(broadcast_bytes(_START, payload, self.dist))
+        return json.loads(_broadcast_bytes(_START, payload, self.dist))
 
     def send(self, payload: bytes) -> list | None:
         """Process 0: every process's part or :class:`ProcessFailed`; elsewhere ``None``
         once process 0 has merged them."""
         self.told = not self.dist.is_main  # process 0 still has to announce the outcome
-        return exchange_bytes(_EXCHANGE, payload, self.dist)
+        return _exchange_bytes(_EXCHANGE, payload, self.dist)
 
     def done(self) -> None:
         if not self.told:
             self.told = True
-            announce_result(_EXCHANGE, self.dist)
+            _announce_result(_EXCHANGE, self.dist)
 
     def fail(self, err: BaseException) -> None:
         message = f"{type(err).__name__}: {err}"
         if not self.started:
             self.started = True
-            fail_broadcast(_START, self.dist, message)
+            _fail_broadcast(_START, self.dist, message)
         if self.told:
             return
         self.told = True
         if self.dist.is_main:
-            announce_result(_EXCHANGE, self.dist, error=message)
+            _announce_result(_EXCHANGE, self.dist, error=message)
         else:
             try:
-                exchange_bytes(_EXCHANGE, None, self.dist, error=message)
+                _exchange_bytes(_EXCHANGE, None, self.dist, error=message)
             except ProcessFailed:  # process 0 is gone too: there is no one left to tell
                 pass
 
@@ -713,6 +714,7 @@ class Peers:
         if not self.dist.is_main:  # process 0 has merged the parts: this one is done
             shutil.rmtree(writer.out, ignore_errors=True)
             return None
+        assert outcomes is not None  # process 0, which sent no error: every outcome
         infos, failures = [info], []
         for i, outcome in enumerate(outcomes[1:], start=1):
             try:
