@@ -8,22 +8,25 @@ from collections.abc import Sequence
 __all__ = ["markdown_table"]
 
 
-def markdown_table(rows: Sequence[dict], digits: int = 3) -> str:
+def markdown_table(rows: Sequence[dict], digits: int = 3, *, blank_none: bool = False) -> str:
     """Renders dict rows as a GitHub markdown table.
 
     The first row's keys are the columns. A float cell is written with ``digits`` decimals
     (``inf`` as ``inf``); any other cell as ``str`` (pass a string to format it yourself).
+    With ``blank_none`` a ``None`` cell is left blank (``| |``; an empty string is ``|  |``).
     No rows: an empty string.
     """
     if not rows:
         return ""
     keys = list(rows[0])
 
-    def cell(v):
+    def cell(v) -> str:
+        if v is None and blank_none:
+            return " |"
         if isinstance(v, float):
-            return "inf" if math.isinf(v) else f"{v:.{digits}f}"
-        return str(v)
+            v = "inf" if math.isinf(v) else f"{v:.{digits}f}"
+        return f" {v} |"
 
-    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    lines += ["| " + " | ".join(cell(r[k]) for k in keys) + " |" for r in rows]
+    lines = ["|" + "".join(f" {k} |" for k in keys), "|" + "---|" * len(keys)]
+    lines += ["|" + "".join(cell(r[k]) for k in keys) for r in rows]
     return "\n".join(lines)

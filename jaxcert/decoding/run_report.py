@@ -15,12 +15,14 @@ import math
 import os
 import pathlib
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from jaxcert.base.tables import markdown_table
 from jaxcert.decoding.state import RoundStats
 
 __all__ = [
@@ -90,7 +92,7 @@ def round_table(stats: RoundStats, prompt_ids: Sequence[str], *, start_round: in
     r, b = np.nonzero(stats.active)
     return pa.table(
         {
-            "prompt_id": [prompt_ids[i] for i in b],
+            "prompt_id": [prompt_ids[int(i)] for i in b],
             "round": (r + start_round).astype(np.int32),
             "drafted": stats.drafted[r, b],
             "depth": stats.depth[r, b],
@@ -107,7 +109,7 @@ def node_table(stats: RoundStats, prompt_ids: Sequence[str], *, start_round: int
     kl, cert = ns.kl[r, b, i], ns.cert[r, b, i]
     return pa.table(
         {
-            "prompt_id": [prompt_ids[x] for x in b],
+            "prompt_id": [prompt_ids[int(x)] for x in b],
             "round": (r + start_round).astype(np.int32),
             "node": i.astype(np.int32),
             "depth": ns.depth[r, b, i],
@@ -151,7 +153,7 @@ def summarize_run(stats: RoundStats | None, num_tokens: int, decode_s: float) ->
 
     ``stats`` holds numpy ``[R, B]`` round fields and ``[R, B, N]`` node fields.
     """
-    out = {"tokens": int(num_tokens), "decode_s": round(decode_s, 3)}
+    out: dict[str, Any] = {"tokens": int(num_tokens), "decode_s": round(decode_s, 3)}
     out["tokens_per_s"] = round(num_tokens / decode_s, 3) if decode_s > 0 else float("nan")
     if stats is None or not np.any(stats.active):
         return out
@@ -167,7 +169,9 @@ def summarize_run(stats: RoundStats | None, num_tokens: int, decode_s: float) ->
         "mean_depth": round(float(stats.depth[a].mean()), 3),
         "mean_accepted": round(float(stats.accepted[a].mean()), 3),
         "tokens_per_round": round(float(stats.emitted[a].mean()), 3),
-        "acceptance_rate": round(float(stats.accepted[a].sum() / max(stats.depth[a].sum(), 1)), 4),
+        "acceptance_rate": round(
+            int(stats.accepted[a].sum()) / max(int(stats.depth[a].sum()), 1), 4
+        ),
         "acceptance_by_depth": [  # None where no round drafted that deep (JSON has no NaN)
             None if np.isnan(x) else round(x, 4) for x in acceptance_by_depth(stats)
         ],
@@ -254,16 +258,16 @@ def summarize_runs(runs: Mapping[str, Sequence]) -> dict:
 
     spec = runs["speculative"]
     stats = [r.stats for r in spec]
-    merged = {}
+    merged: RoundStats | None = None
     if stats:
         batch = max(s.active.shape[1] for s in stats)
         merged = jax.tree.map(
             lambda *xs: np.concatenate(xs, axis=0) if xs[0].ndim else xs[0],
             *[pad_batch(s, batch) for s in stats],
         )
-    out = {
+    out: dict[str, Any] = {
         "speculative": summarize_run(
-            merged or None, total("speculative", "num_tokens"), total("speculative", "decode_s")
+            merged, total("speculative", "num_tokens"), total("speculative", "decode_s")
         )
     }
     out["speculative"]["compile_s"] = round(total("speculative", "compile_s"), 1)
@@ -301,6 +305,17 @@ def _rate(x) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3f}"
 
 
+_SUMMARY_COLUMNS = (
+    "run", "tokens", "tokens/s", "speedup", "accepted/round", "tokens/round", "acceptance",
+    "certified",
+)  # fmt: skip
+
+
+def _summary_row(*cells) -> dict[str, str | None]:
+    """A row of the summary table; every value as ``str`` (``None``: a blank cell)."""
+    return {k: None if v is None else f"{v}" for k, v in zip(_SUMMARY_COLUMNS, cells, strict=True)}
+
+
 def markdown_summary(summary: dict) -> str:
     """A markdown table of a :func:`summarize_runs` summary, then acceptance by position.
 
@@ -314,21 +329,27 @@ def markdown_summary(summary: dict) -> str:
       that depth), compile time and programs, identical outputs, the speedup's interval.
     """
     s = summary["speculative"]
-    lines = [
-        "| run | tokens | tokens/s | speedup | accepted/round | tokens/round | "
-        "acceptance | certified |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    rows = []
     if "target_only" in summary:
         b = summary["target_only"]
-        lines.append(f"| target only | {b['tokens']} | {b['tokens_per_s']:.2f} | 1.00 | | | | |")
-    lines.append(
-        f"| speculative | {s['tokens']} | {s['tokens_per_s']:.2f} | "
-        f"{summary.get('speedup', float('nan')):.2f} | {s.get('mean_accepted', float('nan'))} | "
-        f"{s.get('tokens_per_round', '')} | {s.get('acceptance_rate', '')} | "
-        f"{s.get('certified_fraction', '')} |"
+        rows.append(
+            _summary_row(
+                "target only", b["tokens"], f"{b['tokens_per_s']:.2f}", "1.00", *[None] * 4
+            )
+        )
+    rows.append(
+        _summary_row(
+            "speculative",
+            s["tokens"],
+            f"{s['tokens_per_s']:.2f}",
+            f"{summary.get('speedup', float('nan')):.2f}",
+            s.get("mean_accepted", float("nan")),
+            s.get("tokens_per_round", ""),
+            s.get("acceptance_rate", ""),
+            s.get("certified_fraction", ""),
+        )
     )
-    text = "\n".join(lines)
+    text = markdown_table(rows, blank_none=True)
     if "acceptance_by_depth" in s:
         rates = s["acceptance_by_depth"]
         text += (
@@ -368,7 +389,7 @@ def write_tables(
 
     Rounds are numbered consecutively over the batches.
     """
-    tables = {"rounds": [], "nodes": []}
+    tables: dict[str, list[pa.Table]] = {"rounds": [], "nodes": []}
     offset = 0
     for i, run in enumerate(runs):
         batch_ids = prompt_ids[i * batch_size : (i + 1) * batch_size]
@@ -401,7 +422,7 @@ def write_outputs(
         spec = [t for r in runs["speculative"] for t in r.tokens]
         base = [t for r in runs["target"] for t in r.tokens] or [None] * len(spec)
         for pid, s_tok, b_tok in zip(prompt_ids, spec, base, strict=True):
-            record = {"prompt_id": pid, "speculative": decode(s_tok)}
+            record: dict[str, str | bool] = {"prompt_id": pid, "speculative": decode(s_tok)}
             if b_tok is not None:
                 record["target_only"] = decode(b_tok)
                 record["identical"] = bool(len(s_tok) == len(b_tok) and (s_tok == b_tok).all())
