@@ -74,6 +74,7 @@ from jaxcert.models.transformer import (
     Block,
     RMSNorm,
     Transformer,
+    check_call,
     lm_head_logits,
     rope_angles,
     slot_mask,
@@ -371,33 +372,13 @@ class EagleHead(nnx.Module):
     def _check(self, tokens, cache, context, positions, attention_mask):
         """`(T, positions [B, T])` after checking every input's shape and dtype."""
         c = self.config
-        if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
-            raise ValueError(f"tokens must be [B, T] int, got {tokens.shape} {tokens.dtype}.")
-        b, t = tokens.shape
-        if cache.batch_size != b or cache.num_layers != c.num_layers:
-            raise ValueError(
-                f"cache has B={cache.batch_size}, L={cache.num_layers}; expected B={b}, "
-                f"L={c.num_layers} (the head's own cache: init_cache)."
-            )
-        if t > cache.max_length:
-            raise ValueError(f"T={t} exceeds the cache's S={cache.max_length} slots.")
+        b, t, positions = check_call(c, tokens, cache, positions, attention_mask)
         if context.shape != (b, t, c.hidden_size) or not jnp.issubdtype(
             context.dtype, jnp.floating
         ):
             raise ValueError(
                 f"context must be float [B, T, E]={(b, t, c.hidden_size)}, got "
                 f"{context.shape} {context.dtype}."
-            )
-        if positions is None:
-            positions = cache.length[:, None] + jnp.arange(t, dtype=jnp.int32)
-        elif positions.shape != (b, t):
-            raise ValueError(f"positions must be [B, T]={(b, t)}, got {positions.shape}.")
-        if attention_mask is not None and (
-            attention_mask.shape != (b, t, t) or attention_mask.dtype != jnp.bool_
-        ):
-            raise ValueError(
-                f"attention_mask must be bool [B, T, T]={(b, t, t)}, got "
-                f"{attention_mask.shape} {attention_mask.dtype}."
             )
         return t, positions
 

@@ -387,30 +387,50 @@ class Transformer(nnx.Module):
 
     def _check(self, tokens, cache, positions, attention_mask):
         c = self.config
-        if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
-            raise ValueError(f"tokens must be [B, T] int, got {tokens.shape} {tokens.dtype}.")
-        b, t = tokens.shape
-        if cache.batch_size != b or cache.num_layers != c.num_layers:
-            raise ValueError(
-                f"cache has B={cache.batch_size}, L={cache.num_layers}; expected B={b}, "
-                f"L={c.num_layers}."
-            )
         if (cache.keys[0].shape[1], cache.keys[0].shape[3]) != (c.num_kv_heads, c.head_dim):
             raise ValueError(f"cache buffers {cache.keys[0].shape} do not match the config.")
-        if t > cache.max_length:
-            raise ValueError(f"T={t} exceeds the cache's S={cache.max_length} slots.")
-        if positions is None:
-            positions = cache.length[:, None] + jnp.arange(t, dtype=jnp.int32)
-        elif positions.shape != (b, t):
-            raise ValueError(f"positions must be [B, T]={(b, t)}, got {positions.shape}.")
-        if attention_mask is not None and (
-            attention_mask.shape != (b, t, t) or attention_mask.dtype != jnp.bool_
-        ):
-            raise ValueError(
-                f"attention_mask must be bool [B, T, T]={(b, t, t)}, got "
-                f"{attention_mask.shape} {attention_mask.dtype}."
-            )
+        b, t, positions = check_call(c, tokens, cache, positions, attention_mask)
         return b, t, positions, attention_mask
+
+
+def check_call(
+    config: ModelConfig,
+    tokens: jax.Array,
+    cache: KVCache,
+    positions: jax.Array | None,
+    attention_mask: jax.Array | None,
+) -> tuple[int, int, jax.Array]:
+    """Checks the inputs of a model call over a `KVCache` of `config`'s layers.
+
+    Returns:
+      `(B, T, positions)`: positions `[B, T]` int32, by default `length[b] + t`.
+
+    Raises:
+      ValueError: tokens not `[B, T]` int; a cache of other rows or layers, or with fewer
+        than T slots; positions not `[B, T]`; a mask not bool `[B, T, T]` (each named).
+    """
+    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"tokens must be [B, T] int, got {tokens.shape} {tokens.dtype}.")
+    b, t = tokens.shape
+    if cache.batch_size != b or cache.num_layers != config.num_layers:
+        raise ValueError(
+            f"cache has B={cache.batch_size}, L={cache.num_layers}; expected B={b}, "
+            f"L={config.num_layers}."
+        )
+    if t > cache.max_length:
+        raise ValueError(f"T={t} exceeds the cache's S={cache.max_length} slots.")
+    if positions is None:
+        positions = cache.length[:, None] + jnp.arange(t, dtype=jnp.int32)
+    elif positions.shape != (b, t):
+        raise ValueError(f"positions must be [B, T]={(b, t)}, got {positions.shape}.")
+    if attention_mask is not None and (
+        attention_mask.shape != (b, t, t) or attention_mask.dtype != jnp.bool_
+    ):
+        raise ValueError(
+            f"attention_mask must be bool [B, T, T]={(b, t, t)}, got "
+            f"{attention_mask.shape} {attention_mask.dtype}."
+        )
+    return b, t, positions
 
 
 def lm_head_logits(
