@@ -26,8 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxcert.base.validate import check_float, check_mask_shape, check_probability
-from jaxcert.core import collectives as _sharding
-from jaxcert.core import numerics as _numerics
+from jaxcert.core import collectives, numerics
 from jaxcert.core import rules as rules_lib
 from jaxcert.core.solver import DEFAULT_TOP_K, certificate
 
@@ -66,18 +65,18 @@ def _masked(where, shape, *arrays):
 
 
 def _kl(target_logits, drafter_logits, axis_name=None):
-    log_p = _sharding.log_softmax(target_logits, axis_name)
-    log_q = _sharding.log_softmax(drafter_logits, axis_name)
+    log_p = collectives.log_softmax(target_logits, axis_name)
+    log_q = collectives.log_softmax(drafter_logits, axis_name)
     p = jnp.exp(log_p)
     positive = p > 0
     safe_log_p = jnp.where(positive, log_p, 0.0)
     safe_log_q = jnp.where(positive, log_q, 0.0)  # q may be 0 where p is 0
     terms = jnp.where(positive, p * (safe_log_p - safe_log_q), 0.0)
-    kl = _sharding.vocab_sum(terms, axis_name)
+    kl = collectives.vocab_sum(terms, axis_name)
     # A row that is no distribution (NaN, +inf, or no finite logit: all -inf) has no KL;
     # without this an all -inf target gave 0 (every p = NaN fails `p > 0`).
-    ok = jnp.isfinite(_sharding.vocab_max(lax.stop_gradient(target_logits), axis_name))
-    ok &= jnp.isfinite(_sharding.vocab_max(lax.stop_gradient(drafter_logits), axis_name))
+    ok = jnp.isfinite(collectives.vocab_max(lax.stop_gradient(target_logits), axis_name))
+    ok &= jnp.isfinite(collectives.vocab_max(lax.stop_gradient(drafter_logits), axis_name))
     return jnp.where(ok, kl, jnp.nan)
 
 
@@ -120,7 +119,7 @@ def kl_divergence(
       0.5108
     """
     d, t = _check_pair(drafter_logits, target_logits)
-    dtype = _numerics.compute_dtype(d.dtype, t.dtype)
+    dtype = numerics.compute_dtype(d.dtype, t.dtype)
     mask, (d, t) = _masked(where, d.shape, d.astype(dtype), t.astype(dtype))
     kl = _kl(t, d, axis_name)
     return kl if mask is None else jnp.where(mask, kl, 0.0)
@@ -139,14 +138,14 @@ def _certificate_value_fwd(target_logits, rule, top_k, axis_name):
 def _certificate_value_bwd(rule, top_k, axis_name, residuals, cotangent):
     del rule, top_k
     target_logits, q_star, level, value = residuals
-    log_p = _sharding.log_softmax(target_logits, axis_name)
+    log_p = collectives.log_softmax(target_logits, axis_name)
     p = jnp.exp(log_p)
     ok = jnp.isfinite(value) & (value > 0)
     pooled = (q_star == level[..., None]) & (p > 0) & ok[..., None]
     safe_level = jnp.where(ok, level, 1.0)
     grad_p = jnp.where(pooled, log_p - jnp.log(safe_level)[..., None], 0.0)  # dC/dp
     # Chain through p = softmax(z): dC/dz_j = p_j (g_j - sum_i p_i g_i).
-    mean = _sharding.vocab_sum(p * grad_p, axis_name)[..., None]
+    mean = collectives.vocab_sum(p * grad_p, axis_name)[..., None]
     grad_z = p * (grad_p - mean)
     ct = jnp.where(ok, cotangent, 0.0)
     return (ct[..., None] * grad_z,)
@@ -175,7 +174,7 @@ def _excess(
     drafter_logits, target_logits, rule, margin, where, differentiate_target, top_k, axis_name
 ):
     d, t = _check_pair(drafter_logits, target_logits)
-    dtype = _numerics.compute_dtype(d.dtype, t.dtype)
+    dtype = numerics.compute_dtype(d.dtype, t.dtype)
     mask, (d, t) = _masked(where, d.shape, d.astype(dtype), t.astype(dtype))
     if not differentiate_target:
         t = jax.lax.stop_gradient(t)

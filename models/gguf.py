@@ -28,7 +28,7 @@ import safetensors
 import tqdm
 from jax.sharding import Mesh
 
-from jaxcert.base import paths as _paths
+from jaxcert.base import paths
 from jaxcert.models._tokenizer import tokenizer_from_gguf
 from jaxcert.models._weights import LoadedModel, hf_layout, model_from_tensors
 from jaxcert.models.config import ModelConfig
@@ -240,7 +240,7 @@ def dequant_cache_path(path: str | os.PathLike, dtype, cache_dir=None) -> pathli
     key = f"{real}\0{st.st_size}\0{st.st_mtime_ns}\0{name}\0{_CACHE_VERSION}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     if cache_dir is None:
-        cache_dir = _paths.cache_dir()
+        cache_dir = paths.cache_dir()
     root = pathlib.Path(cache_dir)
     return root / "dequant" / f"{pathlib.Path(real).stem}-{name}-{digest}.safetensors"
 

@@ -20,9 +20,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.scipy.special import xlogy
 
-from jaxcert.base.validate import check_int as _check_int
-from jaxcert.base.validate import check_mask_shape
-from jaxcert.core import numerics as _numerics
+from jaxcert.base.validate import check_int, check_mask_shape
+from jaxcert.core import numerics
 
 __all__ = [
     "greedy_margin_bounds",
@@ -76,11 +75,11 @@ def greedy_margin_bounds(margin: jax.typing.ArrayLike, vocab_size: int):
 
     Source: ``docs/certificates.md`` §7, rule 1.
     """
-    _check_int("vocab_size", vocab_size, 2)
+    check_int("vocab_size", vocab_size, 2)
     gamma = _margin(margin)
-    lower = _numerics.binary_kl_uniform(gamma)
+    lower = numerics.binary_kl_uniform(gamma)
     s = gamma + 2.0 * (1.0 - gamma) / vocab_size
-    upper = s * _numerics.binary_kl_uniform(gamma / s)
+    upper = s * numerics.binary_kl_uniform(gamma / s)
     return lower, upper
 
 
@@ -103,8 +102,8 @@ def tree_margin_lower_bound(margin: jax.typing.ArrayLike, m: int):
 
     Source: ``docs/certificates.md`` §7, rule 6.
     """
-    _check_int("m", m, 1)
-    return _numerics.coverage_kl_uniform(_margin(margin), m)
+    check_int("m", m, 1)
+    return numerics.coverage_kl_uniform(_margin(margin), m)
 
 
 def tree_margin_upper_bound(margin: jax.typing.ArrayLike, m: int, vocab_size: int):
@@ -128,11 +127,11 @@ def tree_margin_upper_bound(margin: jax.typing.ArrayLike, m: int, vocab_size: in
 
     Source: ``docs/certificates.md`` §7, rule 6.
     """
-    _check_int("m", m, 1)
-    _check_int("vocab_size", vocab_size, m + 1)
+    check_int("m", m, 1)
+    check_int("vocab_size", vocab_size, m + 1)
     gamma = _margin(margin)
     s = gamma + (m + 1) * (1.0 - gamma) / vocab_size
-    best = s * _numerics.coverage_kl_uniform(gamma / s, m)
+    best = s * numerics.coverage_kl_uniform(gamma / s, m)
     for k in range(1, m):
         t = (1.0 - gamma) / (k + 1)
         top = gamma + t

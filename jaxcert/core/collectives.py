@@ -36,7 +36,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcert.core import numerics as _numerics
+from jaxcert.core import numerics
 
 __all__ = [
     "AxisName",
@@ -105,8 +105,8 @@ def log_softmax(x, axis_name: AxisName):
 def entropy(x, x_max, total, axis_name: AxisName):
     """``H(softmax(x))`` in nats over the whole row, given its global max and normaliser."""
     if axis_name is None:
-        return _numerics.entropy(x, x_max, total)
-    weighted = lax.psum(_numerics.entropy_sum(x, x_max), axis_name)
+        return numerics.entropy(x, x_max, total)
+    weighted = lax.psum(numerics.entropy_sum(x, x_max), axis_name)
     return jnp.log(total) - weighted / total
 
 
@@ -117,7 +117,7 @@ def top_k(x, k: int, axis_name: AxisName):
     lists are gathered (``n k`` values and ids per row) and merged by one more top-``k``.
     """
     local = x.shape[-1]
-    values, ids = _numerics.top_k(x, min(k, local))
+    values, ids = numerics.top_k(x, min(k, local))
     if axis_name is None:
         return values, ids
     ids = ids + shard_offset(local, axis_name)
@@ -156,8 +156,8 @@ def row_summary(x, k: int, need_entropy: bool, axis_name: AxisName):
     empty = ~(m > -jnp.inf)  # all -inf (or NaN): contributes nothing, or poisons via m
     safe_m = jnp.where(empty, 0.0, m)
     s_local = jnp.sum(jnp.exp(x - safe_m[..., None]), axis=-1)
-    w_local = _numerics.entropy_sum(x, safe_m) if need_entropy else jnp.zeros_like(m)
-    values, ids = _numerics.top_k(x, min(k, local))
+    w_local = numerics.entropy_sum(x, safe_m) if need_entropy else jnp.zeros_like(m)
+    values, ids = numerics.top_k(x, min(k, local))
     ids = ids + shard_offset(local, axis_name)
     packed = jnp.concatenate(
         [m[..., None], s_local[..., None], w_local[..., None], values, ids.astype(x.dtype)], -1
@@ -195,7 +195,7 @@ def count_and_top_k(mask, key, k: int, axis_name: AxisName):
     if axis_name is None or local * axis_size(axis_name) >= 2**24:
         return vocab_sum(mask.astype(jnp.int32), axis_name), *top_k(key, k, axis_name)
     count = jnp.sum(mask, axis=-1, dtype=jnp.int32)
-    values, ids = _numerics.top_k(key, min(k, local))
+    values, ids = numerics.top_k(key, min(k, local))
     ids = ids + shard_offset(local, axis_name)
     packed = jnp.concatenate(
         [count[..., None].astype(key.dtype), values, ids.astype(key.dtype)], -1

@@ -34,8 +34,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jaxcert.base.validate import check_int
-from jaxcert.core import collectives as _sharding
-from jaxcert.core import numerics as _numerics
+from jaxcert.core import collectives, numerics
 from jaxcert.core import rules as rules_lib
 
 __all__ = ["Certificate", "certificate", "certificates", "DEFAULT_TOP_K", "window_certificate"]
@@ -101,10 +100,12 @@ class _Solution(NamedTuple):
 
 
 def _prepare(x: jax.Array, window: int, need_entropy: bool, axis_name) -> _Prepared:
-    x = x.astype(_numerics.compute_dtype(x.dtype))
+    x = x.astype(numerics.compute_dtype(x.dtype))
     # Keep the normalisation independent of top_k's outputs: on CPU, XLA fuses a reduction
     # that reads top_k's result into a loop that recomputes it (100x slower).
-    x_max, total, entropy, top_x, top_i = _sharding.row_summary(x, window, need_entropy, axis_name)
+    x_max, total, entropy, top_x, top_i = collectives.row_summary(
+        x, window, need_entropy, axis_name
+    )
     # Everything is relative to the row's max: log p(x0) = (x0 - max) - log S, never
     # (max + log S) formed and subtracted again, which loses log S at large |max| (the
     # results must not depend on a common offset of the logits). NaN propagates into the
@@ -148,8 +149,8 @@ def _water_fill(ux, u_valid, tx, x0) -> tuple:
     )
     e_bar = total / jnp.maximum(count, 1).astype(eu.dtype)
     scale = 1.0 + e_bar  # c / p(x0)
-    h_u = jnp.where(in_pool_u, _numerics.h_shifted((eu - e_bar[..., None]) / scale[..., None]), 0)
-    h_t = jnp.where(pooled_t, _numerics.h_shifted((et - e_bar[..., None]) / scale[..., None]), 0)
+    h_u = jnp.where(in_pool_u, numerics.h_shifted((eu - e_bar[..., None]) / scale[..., None]), 0)
+    h_t = jnp.where(pooled_t, numerics.h_shifted((et - e_bar[..., None]) / scale[..., None]), 0)
     value_rel = scale * (jnp.sum(h_u, axis=-1) + jnp.sum(h_t, axis=-1))
     value_rel = jnp.where(count > 0, value_rel, 0.0)
     return value_rel, scale, pooled_u, pooled_t
@@ -200,7 +201,7 @@ def _solve_exact(x, top_x, log_p_max, entropy, rule, window: int, vocab: int, ax
     )
     # T* = top-m of L; -inf logits of L stay above the mask of U (whose key is -inf).
     key = jnp.where(member, -jnp.inf, jnp.maximum(x, jnp.finfo(x.dtype).min))
-    upper, comp_key, comp_i = _sharding.count_and_top_k(member, key, m, axis_name)
+    upper, comp_key, comp_i = collectives.count_and_top_k(member, key, m, axis_name)
     impossible = upper > vocab - m
     comp_x = jnp.where(comp_key == jnp.finfo(x.dtype).min, -jnp.inf, comp_key)
     u_valid = jnp.arange(window) < upper[..., None]
@@ -220,7 +221,7 @@ def _solve_exact(x, top_x, log_p_max, entropy, rule, window: int, vocab: int, ax
     def full_sort():
         # More than `window` tokens of U are pooled: sort the whole row (rare, slow; with a
         # split vocabulary the row is gathered first).
-        row = _sharding.gather_row(x, axis_name)
+        row = collectives.gather_row(x, axis_name)
         ids = jnp.broadcast_to(jnp.arange(vocab), row.shape)
         neg_sorted, _ = lax.sort((-row, ids), num_keys=1, is_stable=True)
         sx = -neg_sorted
@@ -290,7 +291,7 @@ def _finish(prep: _Prepared, sol: _Solution, return_q: bool, axis_name) -> Certi
         p = jnp.exp((x - prep.top_x[:, :1]) + prep.log_p_max[:, None])
         rows = jnp.arange(x.shape[0])[:, None]
         # T* ids are global: this shard's entries are at id - offset (others are dropped).
-        local = sol.comp_i - _sharding.shard_offset(x.shape[-1], axis_name)
+        local = sol.comp_i - collectives.shard_offset(x.shape[-1], axis_name)
         local = jnp.where((local >= 0) & (local < x.shape[-1]), local, x.shape[-1])
         is_comp = jnp.zeros(x.shape, bool).at[rows, local].set(True, mode="drop")
         lift = jnp.zeros(x.shape, bool).at[rows, local].set(sol.pooled_t, mode="drop")
@@ -353,7 +354,7 @@ def _certificates_local(x, axis_name, *, rules, return_q, top_k, exact_rows):
     """Certificates of ``x: [..., V_local]``, a whole row or one shard of the vocabulary."""
     lead = x.shape[:-1]
     flat = jnp.reshape(x, (-1, x.shape[-1]))
-    vocab = x.shape[-1] * _sharding.axis_size(axis_name)
+    vocab = x.shape[-1] * collectives.axis_size(axis_name)
     window = _window_size(rules, vocab, top_k)
     prep = _prepare(flat, window, any(r.needs_entropy for r in rules), axis_name)
     rows = jax.default_backend() == "cpu" if exact_rows is None else exact_rows
@@ -457,7 +458,7 @@ def certificates(
     Source: ``docs/certificates.md`` §§1-5 and 8 (precision: §8).
     """
     rules = tuple(rules)
-    logits = _check_inputs(_numerics.host_logits(logits), rules, top_k)
+    logits = _check_inputs(numerics.host_logits(logits), rules, top_k)
     kw = dict(rules=rules, return_q=return_q, top_k=top_k, exact_rows=exact_rows)
 
     def run(x, vocab_axes):
@@ -465,7 +466,7 @@ def certificates(
             return _certificates_jit(x, axis_name=None, **kw)
         return _certificates_local(x, vocab_axes, **kw)
 
-    return _sharding.route(run, logits, _out_specs(rules, return_q), axis_name)
+    return collectives.route(run, logits, _out_specs(rules, return_q), axis_name)
 
 
 def certificate(

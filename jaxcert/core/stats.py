@@ -10,8 +10,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxcert.base.validate import check_int
-from jaxcert.core import collectives as _sharding
-from jaxcert.core import numerics as _numerics
+from jaxcert.core import collectives, numerics
 
 __all__ = ["DistributionStats", "distribution_stats"]
 
@@ -65,7 +64,7 @@ def distribution_stats(
       >>> int(s.greedy_token), round(float(s.margin), 4), round(float(s.top_coverage), 4)
       (0, 0.3, 0.9)
     """
-    x = logits if isinstance(logits, jax.Array) else jnp.asarray(_numerics.host_logits(logits))
+    x = logits if isinstance(logits, jax.Array) else jnp.asarray(numerics.host_logits(logits))
     if not jnp.issubdtype(x.dtype, jnp.floating) or x.ndim < 1:
         raise ValueError(f"logits must be floating [..., V], got {x.dtype} {x.shape}")
     check_int("top", top)
@@ -74,13 +73,13 @@ def distribution_stats(
         per_row = P(*lead)
         return DistributionStats(per_row, per_row, per_row, per_row, per_row)
 
-    return _sharding.route(functools.partial(_stats, top=top), x, specs, axis_name)
+    return collectives.route(functools.partial(_stats, top=top), x, specs, axis_name)
 
 
 def _stats(x, axis_name, *, top: int) -> DistributionStats:
-    x = x.astype(_numerics.compute_dtype(x.dtype))
-    vocab = x.shape[-1] * _sharding.axis_size(axis_name)
-    x_max, total, entropy, vals, idx = _sharding.row_summary(
+    x = x.astype(numerics.compute_dtype(x.dtype))
+    vocab = x.shape[-1] * collectives.axis_size(axis_name)
+    x_max, total, entropy, vals, idx = collectives.row_summary(
         x, min(max(top, 2), vocab), True, axis_name
     )
     # log p = (x - max) - log S: relative to the max, so a common offset cannot change it.

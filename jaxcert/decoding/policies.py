@@ -34,9 +34,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxcert.base.validate import check_float, check_probability, in_user_words
-from jaxcert.base.validate import check_int as _check_int
-from jaxcert.core import numerics as _numerics
+from jaxcert.base.validate import check_float, check_int, check_probability, in_user_words
+from jaxcert.core import numerics
 from jaxcert.core.stats import distribution_stats
 from jaxcert.decoding.state import PolicyState
 
@@ -71,7 +70,7 @@ class Constant:
     k: int = 5
 
     def __post_init__(self):
-        _check_int("Constant.k", self.k)
+        check_int("Constant.k", self.k)
 
     @property
     def k_max(self) -> int:
@@ -95,8 +94,8 @@ class Heuristic:
     k_max: int = DEFAULT_K_MAX
 
     def __post_init__(self):
-        _check_int("Heuristic.k0", self.k0)
-        _check_int("Heuristic.k_max", self.k_max)
+        check_int("Heuristic.k0", self.k0)
+        check_int("Heuristic.k_max", self.k_max)
 
     @property
     def spec(self) -> str:
@@ -117,7 +116,7 @@ class Confidence:
 
     def __post_init__(self):
         check_probability("Confidence.tau", self.tau)
-        _check_int("Confidence.k_max", self.k_max)
+        check_int("Confidence.k_max", self.k_max)
 
     @property
     def spec(self) -> str:
@@ -141,7 +140,7 @@ class SVIP:
     def __post_init__(self):
         check_float("SVIP.h", self.h, strict=True)
         check_float("SVIP.c", self.c, strict=True)
-        _check_int("SVIP.k_max", self.k_max)
+        check_int("SVIP.k_max", self.k_max)
 
     @property
     def spec(self) -> str:
@@ -177,7 +176,7 @@ class Certified:
     def __post_init__(self):
         check_probability("Certified.lam", self.lam)
         check_float("Certified.beta", self.beta, strict=True)
-        _check_int("Certified.k_max", self.k_max)
+        check_int("Certified.k_max", self.k_max)
 
     @property
     def spec(self) -> str:
@@ -308,7 +307,7 @@ def drafter_features(q_logits: jax.Array) -> DrafterFeatures:
     """
     st = distribution_stats(q_logits, top=2)
     s = 2.0 * st.top1 - st.margin  # q1 + q2
-    cert = s * _numerics.binary_kl_uniform(st.margin / s)
+    cert = s * numerics.binary_kl_uniform(st.margin / s)
     return DrafterFeatures(top=st.top1, entropy=st.entropy, cert=cert)
 
 

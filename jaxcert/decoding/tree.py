@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcert.base.validate import check_int as _check_int
+from jaxcert.base.validate import check_int
 
 __all__ = [
     "Chain",
@@ -69,8 +69,8 @@ class StaticTree:
     depth: int
 
     def __post_init__(self):
-        _check_int("StaticTree.m", self.m)
-        _check_int("StaticTree.depth", self.depth)
+        check_int("StaticTree.m", self.m)
+        check_int("StaticTree.depth", self.depth)
 
     @property
     def spec(self) -> str:
@@ -92,9 +92,9 @@ class DynamicTree:
     nodes: int
 
     def __post_init__(self):
-        _check_int("DynamicTree.m", self.m)
-        _check_int("DynamicTree.depth", self.depth)
-        _check_int("DynamicTree.nodes", self.nodes)
+        check_int("DynamicTree.m", self.m)
+        check_int("DynamicTree.depth", self.depth)
+        check_int("DynamicTree.nodes", self.nodes)
         if self.nodes > self.pool_size:
             raise ValueError(
                 f"DynamicTree.nodes={self.nodes} exceeds the {self.pool_size} nodes that "

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxcert.core import numerics as _numerics
+from jaxcert.core import numerics
 from jaxcert.core import rules as rules_lib
 from jaxcert.decoding.tree import Chain, DynamicTree, TreeShape, parse_tree
 
@@ -127,7 +127,7 @@ def in_accepted_set(logits: jax.Array, tokens: jax.Array, rule) -> jax.Array:
       ``[...]`` bool. Matches the certificate solver's ``U`` (``docs/certificates.md`` §§2 and 8).
     """
     rule = rule.upper_rule
-    x = logits.astype(_numerics.compute_dtype(logits.dtype))
+    x = logits.astype(numerics.compute_dtype(logits.dtype))
     tokens = tokens.astype(jnp.int32)
     x_t = jnp.take_along_axis(x, tokens[..., None], axis=-1)[..., 0]
     if isinstance(rule, rules_lib.StrictGreedy):
@@ -136,8 +136,8 @@ def in_accepted_set(logits: jax.Array, tokens: jax.Array, rule) -> jax.Array:
     if isinstance(rule, rules_lib.TargetTopK):
         ahead = (x > x_t[..., None]) | ((x == x_t[..., None]) & (ids < tokens[..., None]))
         return jnp.sum(ahead, axis=-1) < rule.k
-    x_max, total = _numerics.normalizer(x)
-    entropy = _numerics.entropy(x, x_max, total) if rule.needs_entropy else None
+    x_max, total = numerics.normalizer(x)
+    entropy = numerics.entropy(x, x_max, total) if rule.needs_entropy else None
     return rules_lib.in_upper_set(rule, x_t - x_max, -jnp.log(total), entropy)
 
 

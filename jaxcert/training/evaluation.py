@@ -14,7 +14,7 @@ from flax import nnx
 
 from jaxcert import losses
 from jaxcert.base.validate import round_up
-from jaxcert.core import numerics as _numerics
+from jaxcert.core import numerics
 from jaxcert.core import rules as rules_lib
 from jaxcert.core.solver import certificates
 from jaxcert.training.features import FeatureSet
@@ -83,7 +83,7 @@ def _metrics(
         kl = losses.kl_divergence(drafter_logits=q_logits, target_logits=p_logits)
         certs = certificates(p_logits, rules)
         certified = jnp.stack([kl < c.value for c in certs], axis=-1)
-        return kl, certified, _numerics.top_k(q_logits, k)[1]
+        return kl, certified, numerics.top_k(q_logits, k)[1]
 
     kls, certs, tops = [], [], []
     for start in range(0, len(data), chunk):

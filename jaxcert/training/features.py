@@ -18,7 +18,7 @@ from jaxcert.base.prompts import pad_prompts
 from jaxcert.base.validate import round_up
 from jaxcert.core import rules as rules_lib
 from jaxcert.models import check_same_vocabulary
-from jaxcert.pipeline import engine as certify
+from jaxcert.pipeline import engine
 from jaxcert.training.heads import LmHead, project
 
 if TYPE_CHECKING:
@@ -96,8 +96,8 @@ def greedy_continuations(
 
     ``progress`` is called as ``progress(prompts_done, prompts_total)``.
     """
-    options = certify.CertifyOptions(steps=steps, batch_size=batch_size)
-    table, _ = certify.certify_prompts(
+    options = engine.CertifyOptions(steps=steps, batch_size=batch_size)
+    table, _ = engine.certify_prompts(
         target_lm,
         prompt_set,
         (rules_lib.StrictGreedy(),),
