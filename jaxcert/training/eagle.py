@@ -49,7 +49,7 @@ class TargetStates:
 
 
 def target_states(
-    target: Transformer, tokens: np.ndarray, lengths: np.ndarray, taps: tuple[int, ...]
+    target: Transformer, tokens: jax.typing.ArrayLike, lengths: np.ndarray, taps: tuple[int, ...]
 ) -> TargetStates:
     """The target's teacher-forced states and logits over right-padded sequences.
 
@@ -61,15 +61,15 @@ def target_states(
     Raises:
       ValueError: shapes that disagree, or a length outside ``[2, T]``.
     """
-    tokens = jnp.asarray(tokens, jnp.int32)
+    ids = jnp.asarray(tokens, jnp.int32)
     lengths = np.asarray(lengths)
-    b, t = tokens.shape
+    b, t = ids.shape
     if lengths.shape != (b,) or lengths.min(initial=t) < 2 or lengths.max(initial=0) > t:
         raise ValueError(f"lengths must be [B={b}] in [2, T={t}], got {lengths.tolist()}")
     graphdef, params = nnx.split(target)
-    hidden, logits, states = _target_pass(graphdef, params, tokens, taps)
+    hidden, logits, states = _target_pass(graphdef, params, ids, taps)
     mask = jnp.arange(t)[None, :] < jnp.asarray(lengths)[:, None] - 1
-    return TargetStates(tokens, hidden if not taps else states, logits, mask)
+    return TargetStates(ids, hidden if not taps else states, logits, mask)
 
 
 @jax.jit(static_argnums=(0, 3))
