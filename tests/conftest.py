@@ -24,7 +24,8 @@ def pytest_addoption(parser):
         "--run-slow",
         action="store_true",
         help="also run the tests marked slow (multi-device and multi-process runs, the widest "
-        "vocabularies); CI and the README's test command do",
+        "vocabularies) and the real-model tests (marked real, when their assets are cached); "
+        "CI and the README's test command do",
     )
 
 
@@ -33,7 +34,8 @@ def pytest_collection_modifyitems(config, items):
         return
     skip = pytest.mark.skip(reason="slow: run with --run-slow (CI does)")
     for item in items:
-        if "slow" in item.keywords:
+        # Tests of the real (0.5B) models take minutes each: part of the full run only.
+        if "slow" in item.keywords or "real" in item.keywords:
             item.add_marker(skip)
 
 

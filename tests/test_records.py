@@ -197,6 +197,7 @@ def _document(fmt: str, positions: list):
 FORMATS = ("chat", "completions", "completions-untold", "vllm-chat", "llamacpp-post", "sglang")
 
 
+@pytest.mark.slow  # two minutes: part of the full run
 @settings(
     max_examples=25,
     deadline=None,

@@ -139,9 +139,15 @@ def _teacher_forced(target, seq, taps):
     return np.asarray(target.project(hidden)[0], np.float64), states[0]
 
 
-def _target_logits(target, seq):
-    tokens = jnp.asarray(seq, jnp.int32)[None]
-    return np.asarray(target(tokens, target.init_cache(1, len(seq)))[0][0], np.float64)
+def _target_logits(target, seq, width=64):
+    """Target logits ``[len(seq), V]`` (padded to one width: one compiled program)."""
+    tokens = jnp.zeros((1, width), jnp.int32).at[0, : len(seq)].set(jnp.asarray(seq))
+    return np.asarray(_jit_logits(target, tokens)[0, : len(seq)], np.float64)
+
+
+@nnx.jit
+def _jit_logits(target, tokens):
+    return target(tokens, target.init_cache(1, tokens.shape[1]))[0]
 
 
 def _kl(p_logits, q_logits):
