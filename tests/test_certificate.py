@@ -132,7 +132,7 @@ def test_golden_float32_matches_float64_on_same_input(case, x64):
 
 @pytest.mark.parametrize(
     "vocab, top_k",
-    [(2, 64), (3, 1), (5, 2), (13, 64), (13, 3), (40, 4)],
+    [(2, 64), (3, 1), (5, 2), (13, 64), (13, 3), pytest.param(40, 4, marks=pytest.mark.slow)],
     ids=lambda v: str(v),
 )
 def test_random_against_reference(vocab, top_k, x64):
@@ -184,7 +184,10 @@ def test_slsqp_bruteforce(vocab, x64):
             assert _close(cert.value[row], want, 1e-6, 1e-9), (rule, p[row])
 
 
-@pytest.mark.parametrize("vocab", [4, 50, pytest.param(3000, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "vocab",
+    [4, pytest.param(50, marks=pytest.mark.slow), pytest.param(3000, marks=pytest.mark.slow)],
+)
 def test_float32_close_to_float64_on_same_input(vocab, x64):
     rng = np.random.default_rng(vocab)
     p = _random_distributions(rng, vocab, 18)

@@ -42,7 +42,12 @@ def _acceptance(target, head, prompts):
 
 @pytest.mark.parametrize(
     "objective",
-    [Objective("kl"), Objective("kl+greedy", rules.StrictGreedy(), weight=1.0)],
+    [
+        Objective("kl"),
+        pytest.param(
+            Objective("kl+greedy", rules.StrictGreedy(), weight=1.0), marks=pytest.mark.slow
+        ),
+    ],
     ids=["kl", "kl+greedy"],
 )
 def test_training_lowers_heldout_kl_and_raises_acceptance(setup, objective):
