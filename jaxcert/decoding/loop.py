@@ -27,7 +27,7 @@ from jaxcert.decoding import policies as policies_lib
 from jaxcert.decoding import tree as tree_lib
 from jaxcert.decoding.config import DecodeConfig, Sizes
 from jaxcert.decoding.draft import draft
-from jaxcert.decoding.protocols import Cache
+from jaxcert.decoding.protocols import Cache, context_before
 from jaxcert.decoding.state import DecodeState, RoundStats, Settings
 from jaxcert.decoding.verify import in_accepted_set, sample_tree, sampling_log_probs
 from jaxcert.models.sharding import constrain
@@ -70,8 +70,7 @@ def _prefill_head(d_graphdef, d_params, prompt, lengths, states, slots, width):
     Returns its cache (``lengths - 1`` committed) and the ``[B, width, C]`` context.
     """
     head = nnx.merge(d_graphdef, d_params)
-    fused = head.fuse(states)  # [B, T, E]
-    before = jnp.concatenate([jnp.zeros_like(fused[:, :1]), fused[:, :-1]], axis=1)
+    before = context_before(head, states)  # [B, T, E]
     _, cache = head.features(prompt, head.init_cache(prompt.shape[0], slots), context=before)
     rows = jnp.arange(prompt.shape[0])
     context = jnp.zeros((prompt.shape[0], width, states.shape[-1]), states.dtype)

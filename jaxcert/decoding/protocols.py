@@ -18,10 +18,18 @@ from __future__ import annotations
 from typing import Protocol, runtime_checkable
 
 import jax
+import jax.numpy as jnp
 
 from jaxcert.models.cache import Cache
 
-__all__ = ["Cache", "DecoderModel", "FeatureDrafter", "ModelConfigLike", "reads_target"]
+__all__ = [
+    "Cache",
+    "DecoderModel",
+    "FeatureDrafter",
+    "ModelConfigLike",
+    "context_before",
+    "reads_target",
+]
 
 
 @runtime_checkable
@@ -95,6 +103,23 @@ class FeatureDrafter(Protocol):
     def project(self, hidden: jax.Array) -> jax.Array:
         """``[..., E]`` hidden states -> ``[..., V]`` float32 logits (the full vocabulary)."""
         ...
+
+
+class _Fuses(Protocol):
+    def fuse(self, target_states: jax.Array) -> jax.Array: ...
+
+
+def context_before(head: _Fuses, target_states: jax.Array) -> jax.Array:
+    """The feature each token of a teacher-forced sequence reads: ``[B, T, E]`` with row
+    ``t`` the fused target states at ``t - 1`` and zeros at ``t = 0`` (no position before
+    it). The decoder's prefill and the head's training both read tokens this way.
+
+    Args:
+      head: the draft head (its :meth:`FeatureDrafter.fuse`).
+      target_states: ``[B, T, C]`` the target's states after reading each token.
+    """
+    fused = head.fuse(target_states)  # [B, T, E]
+    return jnp.concatenate([jnp.zeros_like(fused[:, :1]), fused[:, :-1]], axis=1)
 
 
 def reads_target(model: object) -> bool:

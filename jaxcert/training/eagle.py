@@ -23,6 +23,7 @@ import optax
 from flax import nnx, struct
 
 from jaxcert import losses
+from jaxcert.decoding.protocols import context_before
 from jaxcert.models import EagleHead, Transformer
 from jaxcert.models.eagle import TRAINABLE
 from jaxcert.training.train import Objective
@@ -88,8 +89,7 @@ def head_loss(
     ``q_t`` is the head reading ``x_t`` with the target's states at ``t - 1``; KL in nats.
     """
     b, t = batch.tokens.shape
-    fused = head.fuse(batch.states)
-    context = jnp.concatenate([jnp.zeros_like(fused[:, :1]), fused[:, :-1]], axis=1)
+    context = context_before(head, batch.states)  # as the decoder's prefill reads
     q_logits, _ = head(batch.tokens, head.init_cache(b, t), context=context)
     mask = batch.mask
     count = jnp.maximum(jnp.sum(mask), 1)
