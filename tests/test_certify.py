@@ -268,6 +268,7 @@ def test_sharegpt_files_keep_the_complete_conversations(tmp_path):
     path.write_text(text[: text.index('"cut off"') + 4])  # the last record is incomplete
     got = prompts.load_prompts(str(path))
     assert [(p.id, p.text) for p in got] == [("a", "first?"), ("c", "third")]
+    assert [p.response for p in got] == ["yes", None]  # the gpt reply right after the turn
     assert [p.text for p in prompts.load_prompts(str(path), turn=1)] == ["second?"]
     assert len(prompts.load_prompts(str(path), max_prompts=1)) == 1
     path.write_text('{"not": "an array"}')

@@ -71,6 +71,14 @@ TRAIN_DEFAULTS = {
     "--decode-tokens": "64",
     "--seed": "0",
     "--out": "jaxcert-out/train-drafter",
+    "--head": "off",
+    "--data": "replies",
+    "--positions": "100000",
+    "--heldout-sequences": "48",
+    "--draft-vocab": "32768",
+    "--head-layers": "1",
+    "--objectives": "kl,kl+greedy,kl+tree4,kl+tv",
+    "--seeds": "0,1",
 }
 
 

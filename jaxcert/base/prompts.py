@@ -22,11 +22,14 @@ class Prompt:
       id: identifier (MT-Bench ``question_id``, a JSONL ``id``, or the line number).
       text: the user turn.
       category: optional category (MT-Bench: writing, roleplay, ...).
+      response: the reply that followed the turn, where the source has one (ShareGPT's
+        ``gpt`` message right after the human turn), else ``None``.
     """
 
     id: str
     text: str
     category: str | None = None
+    response: str | None = None
 
 
 def _read_jsonl(path: pathlib.Path, turn: int) -> list[Prompt]:
@@ -93,10 +96,15 @@ def _read_sharegpt(path: pathlib.Path, turn: int, limit: int | None) -> list[Pro
         turns = record.get("conversations") if isinstance(record, dict) else None
         if not isinstance(turns, list):
             raise ValueError(f"{path}: record {len(prompts)} has no 'conversations' list")
-        human = [t.get("value") for t in turns if isinstance(t, dict) and t.get("from") == "human"]
-        question = human[turn] if turn < len(human) else None
+        turns = [t for t in turns if isinstance(t, dict)]
+        human = [i for i, t in enumerate(turns) if t.get("from") == "human"]
+        at = human[turn] if turn < len(human) else None
+        question = None if at is None else turns[at].get("value")
         if isinstance(question, str) and question.strip():
-            prompts.append(Prompt(str(record.get("id", len(prompts))), question, None))
+            after = turns[at + 1] if at + 1 < len(turns) else {}
+            answer = after.get("value") if after.get("from") == "gpt" else None
+            answer = answer if isinstance(answer, str) and answer.strip() else None
+            prompts.append(Prompt(str(record.get("id", len(prompts))), question, None, answer))
     if not prompts:
         raise ValueError(f"{path}: no conversation with a human turn {turn}")
     return prompts

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from jaxcert.cli import DEFAULT_TARGET
+from jaxcert.cli import DEFAULT_DECODE_TARGET, DEFAULT_TARGET, train_head
 from jaxcert.cli._common import check_vocabularies, load_model, load_prompt_set
 from jaxcert.cli.argtypes import (
     non_negative,
@@ -25,6 +25,7 @@ from jaxcert.cli.argtypes import (
     positive_float,
     unit_float,
 )
+from jaxcert.cli.train_head import add_head_arguments
 
 if TYPE_CHECKING:
     from jaxcert.models import LoadedModel
@@ -47,8 +48,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--target",
-        default=DEFAULT_TARGET,
-        help="asset name, checkpoint folder or .gguf (default %(default)s)",
+        default=None,
+        help=f"asset name, checkpoint folder or .gguf (default {DEFAULT_TARGET}; "
+        f"{DEFAULT_DECODE_TARGET} with --head)",
     )
     p.add_argument(
         "--exit-layer",
@@ -66,15 +68,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--prompts",
-        default="mtbench",
+        default=None,
         help="'mtbench', 'sharegpt', a JSONL file with a 'prompt' or 'turns' field, or a "
-        "ShareGPT-format .json file; first turns (default %(default)s)",
+        "ShareGPT-format .json file; first turns (default mtbench; sharegpt with --head)",
     )
     p.add_argument(
         "--max-prompts",
         type=positive,
-        default=80,
-        help="first N prompts, training and held-out together (default %(default)s)",
+        default=None,
+        help="first N prompts, training and held-out together (default 80; all with --head)",
     )
     p.add_argument(
         "--heldout",
@@ -91,20 +93,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--train-steps",
         type=positive,
-        default=150,
-        help="optimiser steps per objective (default %(default)s)",
+        default=None,
+        help="optimiser steps per objective (default 150; 1000 with --head)",
     )
     p.add_argument(
         "--batch-size",
         type=positive,
-        default=64,
-        help="positions per optimiser step (default %(default)s)",
+        default=None,
+        help="positions per optimiser step (default 64; with --head sequences, 4)",
     )
     p.add_argument(
         "--learning-rate",
         type=positive_float,
-        default=1e-3,
-        help="peak Adam learning rate, warm-up then cosine decay (default %(default)s)",
+        default=None,
+        help="peak Adam learning rate, warm-up then cosine decay (default 1e-3; 3e-4 with --head)",
     )
     p.add_argument(
         "--width",
@@ -155,9 +157,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--out",
         type=pathlib.Path,
-        default=pathlib.Path("jaxcert-out/train-drafter"),
-        help="output folder (default %(default)s)",
+        default=None,
+        help="output folder (default jaxcert-out/train-drafter; jaxcert-out/train-head with "
+        "--head)",
     )
+    add_head_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -220,9 +224,25 @@ def _saved_features(args: argparse.Namespace, num_prompts: int) -> Callable[[], 
     return load
 
 
+_RESIDUAL_DEFAULTS = dict(
+    target=DEFAULT_TARGET,
+    prompts="mtbench",
+    max_prompts=80,
+    train_steps=150,
+    batch_size=64,
+    learning_rate=1e-3,
+    out=pathlib.Path("jaxcert-out/train-drafter"),
+)
+
+
 def run(args: argparse.Namespace) -> int:
     from jaxcert.training import recipe
 
+    if args.head is not None:
+        return train_head.run(args)
+    for name, value in _RESIDUAL_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     if not 0 < args.heldout < 1:
         raise ValueError(f"--heldout must be in (0, 1), got {args.heldout}")
     if args.drafter is not None:  # from the configs, before minutes of target features

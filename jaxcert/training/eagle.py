@@ -14,6 +14,10 @@ width (``len(taps) * E``, or ``E`` for the target's final-norm states).
 
 from __future__ import annotations
 
+import json
+import math
+import os
+import pathlib
 from collections.abc import Callable
 
 import jax
@@ -23,12 +27,23 @@ import optax
 from flax import nnx, struct
 
 from jaxcert import losses
+from jaxcert.core import rules as rules_lib
 from jaxcert.decoding.protocols import context_before
 from jaxcert.models import EagleHead, Transformer
 from jaxcert.models.eagle import TRAINABLE
+from jaxcert.models.transformer import lm_head_logits
+from jaxcert.training.head_data import HeadRecords
 from jaxcert.training.train import Objective
 
-__all__ = ["TargetStates", "head_loss", "target_states", "train_eagle_head"]
+__all__ = [
+    "TargetStates",
+    "head_loss",
+    "target_states",
+    "train_eagle_head",
+    "train_head_on_records",
+    "window_loss",
+    "window_terms",
+]
 
 
 @struct.dataclass
@@ -147,4 +162,218 @@ def train_eagle_head(
         history.append((kl, violation))
         if log is not None:
             log(i, kl, violation)
+    return head, history
+
+
+# Training from a record store (`jaxcert.training.head_data`): the target is not in memory;
+# its distribution is the stored top-K window.
+
+
+def _window_log_q(
+    head: EagleHead, hidden: jax.Array, ids: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """``(log q [..., K], argmax [...])`` of the full-vocabulary ids ``[..., K]`` from the
+    head's hidden ``[..., E]``, without materialising ``[..., V]`` logits when the head has a
+    draft vocabulary. ``argmax`` is the head's greedy token (``-1``: a token outside the draft
+    vocabulary, whose shared logit is the largest)."""
+    v = head.config.vocab_size
+    z = lm_head_logits(hidden, head.lm_head[...], tied=False).astype(jnp.float32)  # [..., V']
+    if head.draft_vocab is None or head.oov_logit is None:
+        log_q = jnp.take_along_axis(jax.nn.log_softmax(z, axis=-1), ids, axis=-1)
+        return log_q, jnp.argmax(z, axis=-1).astype(jnp.int32)
+    draft = head.draft_vocab[...]
+    b = head.oov_logit[...].astype(jnp.float32)
+    log_z = jnp.logaddexp(jax.nn.logsumexp(z, axis=-1), b + math.log(v - draft.shape[0]))
+    index = jnp.full((v,), -1, jnp.int32).at[draft].set(jnp.arange(draft.shape[0], dtype=jnp.int32))
+    at = index[ids]
+    inside = jnp.take_along_axis(z, jnp.maximum(at, 0), axis=-1)
+    best = jnp.argmax(z, axis=-1)
+    top = jnp.where(jnp.max(z, axis=-1) >= b, draft[best], -1).astype(jnp.int32)
+    return jnp.where(at >= 0, inside, b) - log_z[..., None], top
+
+
+def window_terms(
+    head: EagleHead, batch: dict[str, jax.Array]
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Per-position ``(KL, TV, certificate, argmax)`` of the head against a stored target
+    window.
+
+    Both distributions are coarsened to the target's top-K ids plus one bucket for the rest
+    (``p_rest = 1 - sum_K p``, likewise ``q_rest``): ``KL`` is ``KL(p'||q')`` of the
+    coarsened pair, a lower bound on ``KL(p||q)`` (equal when ``p`` has no mass outside its
+    window), and ``TV = 1 - sum min(p', q')``. ``certificate`` is the stored exact ``C_p``
+    ``[..., R]`` (full vocabulary). ``docs/training.md``, "Training a draft head at scale".
+
+    Args:
+      head: the head.
+      batch: `HeadRecords` fields as arrays: ``tokens`` ``[b, T]``, ``states``
+        ``[b, T, C]``, ``top_logp`` / ``top_ids`` ``[b, T, K]``, ``certificate``.
+
+    Returns:
+      ``kl`` ``[b, T]`` nats, ``tv`` ``[b, T]``, ``certificate`` ``[b, T, R]`` nats and
+      ``argmax`` ``[b, T]`` int32, the head's greedy token (``-1``: outside the draft
+      vocabulary).
+    """
+    tokens = batch["tokens"]
+    b, t = tokens.shape
+    context = context_before(head, batch["states"])
+    hidden, _ = head.features(tokens, head.init_cache(b, t), context=context)
+    log_q, top = _window_log_q(head, hidden, batch["top_ids"])  # [b, T, K], [b, T]
+    log_p = batch["top_logp"]
+    p, q = jnp.exp(log_p), jnp.exp(log_q)
+    p_rest = jnp.clip(1.0 - jnp.sum(p, axis=-1), 0.0, 1.0)
+    q_rest = jnp.clip(1.0 - jnp.sum(q, axis=-1), 1e-30, 1.0)
+    rest = jnp.where(
+        p_rest > 0, p_rest * (jnp.log(jnp.maximum(p_rest, 1e-30)) - jnp.log(q_rest)), 0
+    )
+    kl = jnp.maximum(jnp.sum(p * (log_p - log_q), axis=-1) + rest, 0.0)
+    tv = 1.0 - jnp.sum(jnp.minimum(p, q), axis=-1) - jnp.minimum(p_rest, q_rest)
+    return kl, tv, batch["certificate"], top
+
+
+def window_loss(
+    head: EagleHead,
+    batch: dict[str, jax.Array],
+    objective: Objective,
+    rule_index: int | None,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
+    """``mean KL + weight * mean relu(KL - C_p + margin) + tv_weight * mean TV`` over the
+    batch's ``mask``: ``(loss, (kl, violation, tv))``, means in nats (TV unitless)."""
+    kl, tv, cert, _ = window_terms(head, batch)
+    mask = batch["mask"]
+    count = jnp.maximum(jnp.sum(mask), 1)
+    mean = lambda x: jnp.sum(jnp.where(mask, x, 0.0)) / count  # noqa: E731
+    violation = jnp.zeros(())
+    if rule_index is not None:
+        c = cert[..., rule_index]
+        hinge = jnp.where(jnp.isfinite(c), jax.nn.relu(kl - c + objective.margin), 0.0)
+        violation = mean(hinge)
+    loss = mean(kl) + objective.weight * violation + objective.tv_weight * mean(tv)
+    return loss, (mean(kl), violation, mean(tv))
+
+
+def _batch_rows(n: int, batch_size: int, seed: int, step: int) -> np.ndarray:
+    """Rows of step ``step``: epoch ``e`` walks a permutation drawn from ``(seed, e)``, so a
+    resumed run draws the same batches."""
+    per_epoch = max(n // batch_size, 1)
+    epoch, i = divmod(step, per_epoch)
+    perm = np.random.default_rng([seed, epoch]).permutation(n)
+    return np.sort(perm[i * batch_size : (i + 1) * batch_size])
+
+
+def train_head_on_records(
+    head: EagleHead,
+    records: HeadRecords,
+    objective: Objective,
+    *,
+    rule_names: tuple[str, ...],
+    steps: int,
+    batch_size: int = 4,
+    learning_rate: float = 3e-4,
+    seed: int = 0,
+    checkpoint: str | os.PathLike | None = None,
+    every: int = 25,
+    log: Callable[[int, dict[str, float]], None] | None = None,
+) -> tuple[EagleHead, list[dict[str, float]]]:
+    """Trains ``head``'s `TRAINABLE` parameters on stored records, resumable.
+
+    Adam with a linear warm-up over the first 5% of ``steps`` and cosine decay; the batch of
+    step ``i`` depends only on ``(seed, i)``. With ``checkpoint`` (a folder), the head
+    (`save_head`), the optimiser state and the history are written every ``every`` steps and
+    at the end, and a run that finds a checkpoint there continues from its step.
+
+    Args:
+      head: the initial head (ignored when a checkpoint is resumed; modified in place).
+      records: `HeadRecords` (``Store.load``).
+      objective: the loss; its ``rule`` must be one of the store's rules.
+      rule_names: the store's rule specs, in the order of ``records.certificate``.
+      steps: total optimisation steps (a resumed run does the remaining ones).
+      batch_size: sequences per step.
+      learning_rate: the peak rate.
+      seed: batch order.
+      checkpoint: the folder of checkpoints, or ``None``.
+      every: steps between checkpoints.
+      log: called as ``log(step, {"loss", "kl", "violation", "tv", "seconds"})``.
+
+    Returns:
+      ``(head, history)``, one dict per step done (all steps when resumed).
+
+    Raises:
+      ValueError: the objective's rule is not among the store's rules.
+    """
+    import time
+
+    from jaxcert.models.eagle import load_head, save_head
+
+    rule_index = None
+    if objective.rule is not None:
+        parsed = [rules_lib.parse_rule(r) for r in rule_names]
+        if objective.rule not in parsed:
+            raise ValueError(f"rule {objective.rule} is not among the store's rules {rule_names}")
+        rule_index = parsed.index(objective.rule)
+    warmup = max(steps // 20, 1)
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, learning_rate, warmup, max(steps, warmup + 1)
+    )
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(schedule))
+    history: list[dict[str, float]] = []
+    start = 0
+    folder = None if checkpoint is None else pathlib.Path(checkpoint)
+    if folder is not None and (folder / "progress.json").is_file():
+        head = load_head(folder / "head")
+        history = json.loads((folder / "progress.json").read_text())["history"]
+        start = len(history)
+    optimizer = nnx.Optimizer(head, tx, wrt=TRAINABLE)
+    if start:
+        from safetensors.numpy import load_file
+
+        saved = load_file(folder / "optimizer.safetensors")  # type: ignore[operator]
+        state = nnx.state(optimizer, nnx.optimizer.OptState)
+        leaves, treedef = jax.tree.flatten(state)
+        restored = [jnp.asarray(saved[f"{i:05d}"], x.dtype) for i, x in enumerate(leaves)]
+        nnx.update(optimizer, jax.tree.unflatten(treedef, restored))
+
+    @nnx.jit
+    def step(head, optimizer, batch):
+        diff = nnx.DiffState(0, TRAINABLE)
+        grad_fn = nnx.value_and_grad(window_loss, argnums=diff, has_aux=True)
+        (loss, aux), grads = grad_fn(head, batch, objective, rule_index)
+        optimizer.update(head, grads)
+        return (loss, *aux)
+
+    def save(done: int) -> None:
+        from safetensors.numpy import save_file
+
+        assert folder is not None
+        folder.mkdir(parents=True, exist_ok=True)
+        save_head(head, folder / "head")
+        leaves = jax.tree.leaves(nnx.state(optimizer, nnx.optimizer.OptState))
+        arrays = {f"{i:05d}": np.asarray(x) for i, x in enumerate(leaves)}
+        save_file(arrays, folder / "optimizer.safetensors")
+        tmp = folder / "progress.json.tmp"
+        tmp.write_text(json.dumps({"step": done, "history": history}))
+        os.replace(tmp, folder / "progress.json")
+
+    mask = records.mask
+    n = records.tokens.shape[0]
+    size = min(batch_size, n)
+    for i in range(start, steps):
+        rows = _batch_rows(n, size, seed, i)
+        batch = {
+            "tokens": jnp.asarray(records.tokens[rows]),
+            "states": jnp.asarray(records.states[rows]),
+            "top_logp": jnp.asarray(records.top_logp[rows]),
+            "top_ids": jnp.asarray(records.top_ids[rows]),
+            "certificate": jnp.asarray(records.certificate[rows]),
+            "mask": jnp.asarray(mask[rows]),
+        }
+        t0 = time.perf_counter()
+        loss, kl, violation, tv = (float(x) for x in step(head, optimizer, batch))
+        entry = dict(loss=loss, kl=kl, violation=violation, tv=tv)
+        entry["seconds"] = time.perf_counter() - t0
+        history.append(entry)
+        if log is not None:
+            log(i, entry)
+        if folder is not None and ((i + 1) % every == 0 or i + 1 == steps):
+            save(i + 1)
     return head, history

@@ -29,12 +29,17 @@ class Objective:
       rule: the rule of the violation term, or ``None`` for plain KL distillation.
       weight: ``lambda``, the weight of the violation term.
       margin: nats of slack asked below the certificate.
+      tv_weight: weight of the total-variation term ``TV(p, q) = 1 - sum_x min(p, q)``,
+        the chance that speculative sampling at T = 1 rejects a drafted token (Leviathan
+        et al. 2023, Theorem 3.5): the acceptance-aware term of draft-head training
+        (`jaxcert.training.eagle.window_terms`; 0 elsewhere).
     """
 
     name: str
     rule: rules_lib.Rule | None = None
     weight: float = 1.0
     margin: float = 0.0
+    tv_weight: float = 0.0
 
 
 def _loss(

@@ -1,0 +1,507 @@
+"""The steps of ``jaxcert train-drafter --head``: EAGLE draft heads for a target, at scale.
+
+The command line calls these in order (``docs/training.md``, "Training a draft head at
+scale")::
+
+  train, held = split_sequences(sequences(target, settings), settings.heldout)
+  store = head_data.write_store(target.model, train, out / "store", spec, max_positions=...)
+  heldout = head_data.write_store(target.model, held, out / "heldout", heldout_spec)
+  vocab = draft_vocabulary(store.load(), settings.draft_vocab)
+  for objective in objectives(...), seed in settings.seeds:
+      head = train_one(target.model, records, objective, seed, settings, vocab, out / name)
+      rows.append(evaluate_head(head, heldout_records, ...))
+
+Every phase resumes: the two stores skip their complete shards, each training run continues
+from its last checkpoint, and finished heads (``head/`` with ``done.json``) are evaluated
+without retraining.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from jaxcert.base import prompts
+from jaxcert.core import rules as rules_lib
+from jaxcert.training import head_data
+from jaxcert.training.train import Objective
+
+if TYPE_CHECKING:
+    from jaxcert.models import EagleHead, LoadedModel, Transformer
+
+__all__ = [
+    "HeadSettings",
+    "default_taps",
+    "draft_vocabulary",
+    "evaluate_head",
+    "head_objectives",
+    "sequences",
+    "split_sequences",
+    "train_one",
+]
+
+
+def default_taps(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's low / mid / high taps: blocks ``2``, ``L // 2`` and ``L - 3``
+    (``(0, L // 2, L - 1)`` below 6 blocks)."""
+    if num_layers < 6:
+        return tuple(sorted({0, num_layers // 2, num_layers - 1}))
+    return (2, num_layers // 2, num_layers - 3)
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadSettings:
+    """Options of a head-training run.
+
+    Attributes:
+      data: ``'replies'`` (the prompt set's own replies, e.g. ShareGPT's assistant turns)
+        or ``'greedy'`` (the target's greedy continuations).
+      taps: target blocks the head fuses (``()``: EAGLE-1, the final-norm state).
+      num_layers: the head's decoder blocks.
+      draft_vocab: size of the reduced draft vocabulary (``0``: the full vocabulary).
+      length: tokens per training sequence (prompt + reply).
+      top_k: target log-probabilities stored per training position.
+      heldout_top_k: the same for held-out positions (a wider window: the held-out KL's
+        lower bound is then tight).
+      positions: trained positions to record.
+      heldout: held-out sequences (the last ones of the prompt set; never trained on).
+      steps, batch_size, learning_rate: optimisation (``batch_size`` sequences per step).
+      seeds: one trained head per seed and objective.
+    """
+
+    data: str = "replies"
+    taps: tuple[int, ...] = ()
+    num_layers: int = 1
+    draft_vocab: int = 32_768
+    length: int = 256
+    top_k: int = 64
+    heldout_top_k: int = 1024
+    positions: int = 100_000
+    heldout: int = 48
+    steps: int = 1000
+    batch_size: int = 4
+    learning_rate: float = 3e-4
+    seeds: tuple[int, ...] = (0, 1)
+
+    def __post_init__(self) -> None:
+        if self.data not in ("replies", "greedy"):
+            raise ValueError(f"data must be 'replies' or 'greedy', got {self.data!r}")
+
+
+def head_objectives(weight: float = 1.0, margin: float = 0.0) -> tuple[Objective, ...]:
+    """The compared objectives: KL, KL + greedy violation, KL + tree:4 violation, and the
+    acceptance-aware KL + TV (``tv_weight = 1``: the chance of a rejection at T = 1)."""
+    return (
+        Objective("kl"),
+        Objective("kl+greedy", rules_lib.StrictGreedy(), weight=weight, margin=margin),
+        Objective("kl+tree4", rules_lib.TreeCoverage(4), weight=weight, margin=margin),
+        Objective("kl+tv", tv_weight=1.0),
+    )
+
+
+def sequences(
+    target: LoadedModel,
+    prompt_set: Sequence[prompts.Prompt],
+    settings: HeadSettings,
+    *,
+    progress: Callable[[int, int], None] | None = None,
+) -> list[head_data.TrainingSequence]:
+    """Training sequences of ``prompt_set`` for ``settings.data`` (chat template, default
+    system prompt; cut at ``settings.length``).
+
+    Raises:
+      ValueError: ``'replies'`` with a prompt set that has no replies.
+    """
+    if settings.data == "replies":
+        if not any(p.response is not None for p in prompt_set):
+            raise ValueError("--data replies needs a prompt set with replies (ShareGPT)")
+        end = target.config.eos_token_ids[0] if target.config.eos_token_ids else 0
+        return head_data.reply_sequences(
+            target.tokenizer, prompt_set, length=settings.length, end_id=end
+        )
+    return head_data.greedy_sequences(target, prompt_set, length=settings.length, progress=progress)
+
+
+def split_sequences(
+    seqs: Sequence[head_data.TrainingSequence], heldout: int
+) -> tuple[list[head_data.TrainingSequence], list[head_data.TrainingSequence]]:
+    """``(train, held)``: the last ``heldout`` sequences are held out.
+
+    Raises:
+      ValueError: fewer than ``heldout + 1`` sequences.
+    """
+    if len(seqs) <= heldout:
+        raise ValueError(f"{len(seqs)} sequences cannot hold out {heldout} (raise --max-prompts)")
+    return list(seqs[: len(seqs) - heldout]), list(seqs[len(seqs) - heldout :])
+
+
+def draft_vocabulary(records: head_data.HeadRecords, size: int) -> np.ndarray | None:
+    """The ``size`` tokens with the most target probability over the trained positions
+    (from the stored windows), sorted; ``None`` for ``size == 0`` (the full vocabulary)."""
+    from jaxcert.models.eagle import draft_vocab_from_counts
+
+    if size == 0:
+        return None
+    mask = records.mask
+    ids = records.top_ids[mask].ravel()
+    mass = np.exp(records.top_logp[mask].astype(np.float64)).ravel()
+    vocab = int(ids.max()) + 1
+    counts = np.bincount(ids, weights=mass, minlength=vocab)
+    return draft_vocab_from_counts(counts, size)
+
+
+def train_one(
+    target: Transformer,
+    records: head_data.HeadRecords,
+    objective: Objective,
+    seed: int,
+    settings: HeadSettings,
+    vocab: np.ndarray | None,
+    folder: pathlib.Path,
+    *,
+    rule_names: tuple[str, ...],
+    log: Callable[[int, dict[str, float]], None] | None = None,
+) -> EagleHead:
+    """One head (``EagleHead.from_target``, seed ``seed``) trained on ``records``; resumes
+    from ``folder``'s checkpoint, and returns the finished head of ``folder / 'head'`` when
+    ``folder / 'done.json'`` says it is complete."""
+    from flax import nnx
+
+    from jaxcert.models import EagleHead
+    from jaxcert.models.eagle import load_head
+    from jaxcert.training.eagle import train_head_on_records
+
+    if (folder / "done.json").is_file():
+        return load_head(folder / "head")
+    for stale in ("heldout.json", "decode.json"):  # figures of an earlier head in this folder
+        (folder / stale).unlink(missing_ok=True)
+    head = EagleHead.from_target(
+        target,
+        rngs=nnx.Rngs(seed),
+        num_layers=settings.num_layers,
+        taps=settings.taps,
+        draft_vocab=vocab,
+    )
+    head, history = train_head_on_records(
+        head,
+        records,
+        objective,
+        rule_names=rule_names,
+        steps=settings.steps,
+        batch_size=settings.batch_size,
+        learning_rate=settings.learning_rate,
+        seed=seed,
+        checkpoint=folder,
+        log=log,
+    )
+    (folder / "done.json").write_text(json.dumps({"steps": len(history), "last": history[-1]}))
+    return head
+
+
+def evaluate_head(
+    head: EagleHead, records: head_data.HeadRecords, rule_names: tuple[str, ...]
+) -> dict[str, np.ndarray]:
+    """Per held-out sequence: mean window KL (nats), mean TV, greedy agreement and the
+    certified fraction per rule (``KL < C_p``), over its trained positions.
+
+    Returns:
+      ``{"kl", "tv", "agreement", "certified:<rule>"...}``, each ``[N]`` float64 (one value
+      per sequence: the unit of the bootstrap).
+    """
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxcert.training.eagle import window_terms
+
+    terms = nnx.jit(window_terms)
+    out: dict[str, list[float]] = {"kl": [], "tv": [], "agreement": []}
+    for r in rule_names:
+        out[f"certified:{r}"] = []
+    mask = records.mask
+    for i in range(records.tokens.shape[0]):
+        batch = {
+            k: jnp.asarray(getattr(records, k)[i : i + 1])
+            for k in ("tokens", "states", "top_logp", "top_ids", "certificate")
+        }
+        kl, tv, cert, top = (np.asarray(x)[0] for x in terms(head, batch))
+        m = mask[i]
+        out["kl"].append(float(kl[m].mean()))
+        out["tv"].append(float(tv[m].mean()))
+        out["agreement"].append(float((top[m] == records.top_ids[i, :, 0][m]).mean()))
+        for j, r in enumerate(rule_names):
+            out[f"certified:{r}"].append(float((kl[m] < cert[m, j]).mean()))
+    return {k: np.asarray(v) for k, v in out.items()}
+
+
+def _store_spec(target: LoadedModel, settings: HeadSettings, top_k: int) -> head_data.StoreSpec:
+    return head_data.StoreSpec(
+        target=str(target.path),
+        taps=settings.taps,
+        length=settings.length,
+        top_k=min(top_k, target.config.vocab_size),  # a window no wider than the vocabulary
+    )
+
+
+def write_stores(
+    target: LoadedModel,
+    train: Sequence[head_data.TrainingSequence],
+    held: Sequence[head_data.TrainingSequence],
+    settings: HeadSettings,
+    out: pathlib.Path,
+    *,
+    log: Callable[[str], None] = lambda message: None,
+) -> tuple[head_data.Store, head_data.Store]:
+    """The training store (``out / 'store'``, up to ``settings.positions`` trained positions)
+    and the held-out one (``out / 'heldout'``, every held-out sequence, the wider
+    ``heldout_top_k`` window); both resume."""
+    import time
+
+    t0 = time.perf_counter()
+
+    def progress(done: int, goal: int) -> None:
+        rate = done / max(time.perf_counter() - t0, 1e-9)
+        log(f"records: {done:,} / {goal:,} positions ({rate:.0f} positions/s this run)")
+
+    store = head_data.write_store(
+        target.model,
+        train,
+        out / "store",
+        _store_spec(target, settings, settings.top_k),
+        max_positions=settings.positions,
+        progress=progress,
+    )
+    heldout = head_data.write_store(
+        target.model, held, out / "heldout", _store_spec(target, settings, settings.heldout_top_k)
+    )
+    log(f"records: {store.positions:,} training positions, {heldout.positions:,} held out")
+    return store, heldout
+
+
+def compare_heads(
+    target: Transformer,
+    store: head_data.Store,
+    heldout: head_data.Store,
+    objectives: Sequence[Objective],
+    settings: HeadSettings,
+    out: pathlib.Path,
+    *,
+    decode_prompts: Sequence[Sequence[int]] = (),
+    decode_tokens: int = 64,
+    draft_length: int = 5,
+    eos_ids: Sequence[int] = (),
+    log: Callable[[str], None] = lambda message: None,
+) -> list[dict]:
+    """Trains (or resumes, or reloads) one head per objective and seed, evaluates each on
+    the held-out records, and decodes ``decode_prompts`` with it at T = 0 and T = 1
+    (:func:`decode_heads`; kept in the head's ``decode.json``): one row per head, with its
+    per-sequence arrays (``per_sequence``) and per-prompt decoder figures (``decode``)."""
+    records = store.load()
+    held = heldout.load()
+    vocab = draft_vocabulary(records, settings.draft_vocab)
+    rows = []
+    for objective in objectives:
+        for seed in settings.seeds:
+            name = f"{objective.name}-seed{seed}"
+
+            def step_log(i: int, entry: dict[str, float], name: str = name) -> None:
+                if (i + 1) % 25 == 0:
+                    log(f"{name}: step {i + 1}/{settings.steps} kl {entry['kl']:.3f} "
+                        f"violation {entry['violation']:.3f} tv {entry['tv']:.3f} "
+                        f"({entry['seconds']:.2f} s/step)")  # fmt: skip
+
+            head = train_one(
+                target, records, objective, seed, settings, vocab, out / name,
+                rule_names=store.spec.rules, log=step_log,
+            )  # fmt: skip
+            metrics = _evaluate_cached(head, held, heldout, out / name / "heldout.json")
+            head_folder = str(out / name / "head")
+            decoded = _decode_cached(
+                target, head, out / name / "decode.json", decode_prompts,
+                draft_length=draft_length, max_new_tokens=decode_tokens, eos_ids=eos_ids,
+            )  # fmt: skip
+            rows.append({"objective": objective.name, "seed": seed, "head": head_folder,
+                         "per_sequence": metrics, "decode": decoded})  # fmt: skip
+            log(f"{name}: held-out KL {metrics['kl'].mean():.3f} nats, agreement "
+                f"{metrics['agreement'].mean():.3f}")  # fmt: skip
+    return rows
+
+
+def _evaluate_cached(head, held, heldout: head_data.Store, path: pathlib.Path):
+    key = {"shards": [s["digest"] for s in heldout.shards], "spec": heldout.spec.to_json()}
+    if path.is_file():
+        saved = json.loads(path.read_text())
+        if saved["key"] == key:
+            return {k: np.asarray(v) for k, v in saved["metrics"].items()}
+    metrics = evaluate_head(head, held, heldout.spec.rules)
+    path.write_text(
+        json.dumps({"key": key, "metrics": {k: v.tolist() for k, v in metrics.items()}})
+    )
+    return metrics
+
+
+def _decode_cached(target, head, path, prompt_ids, **kw) -> dict[str, dict[str, np.ndarray]]:
+    if not prompt_ids:
+        return {}
+    key = {
+        "prompts": [list(map(int, p)) for p in prompt_ids],
+        **{k: list(v) if isinstance(v, (list, tuple)) else v for k, v in kw.items()},
+    }
+    if path.is_file():
+        saved = json.loads(path.read_text())
+        if saved["key"] == key:
+            return {t: {k: np.asarray(v) for k, v in r.items()} for t, r in saved["runs"].items()}
+    runs = {}
+    for name, temperature in (("T0", 0.0), ("T1", 1.0)):
+        runs[name] = decode_heads(target, [head], prompt_ids, temperature=temperature, **kw)[0]
+    record = {t: {k: v.tolist() for k, v in r.items()} for t, r in runs.items()}
+    path.write_text(json.dumps({"key": key, "runs": record}))
+    return runs
+
+
+def bootstrap_mean(
+    values: np.ndarray, *, samples: int = 4000, seed: int = 0
+) -> tuple[float, float, float]:
+    """``(mean, low, high)``: the mean of ``[N]`` values with a 95% bootstrap interval over
+    them (``nan`` bounds for ``N < 2``)."""
+    x = np.asarray(values, np.float64)
+    if x.size < 2:
+        return float(x.mean()) if x.size else float("nan"), float("nan"), float("nan")
+    idx = np.random.default_rng(seed).integers(0, x.size, (samples, x.size))
+    low, high = np.percentile(x[idx].mean(1), [2.5, 97.5])
+    return float(x.mean()), float(low), float(high)
+
+
+def summarize(rows: Sequence[dict], store: head_data.Store, settings: HeadSettings) -> dict:
+    """Per objective (seeds pooled by averaging per held-out sequence): each metric's mean
+    with a 95% bootstrap interval over held-out sequences, and the paired difference of
+    every objective against the first (``kl``) with its interval; an interval that excludes
+    0 is a significant difference."""
+    by_objective: dict[str, list[dict]] = {}
+    for row in rows:
+        by_objective.setdefault(row["objective"], []).append(row)
+    pooled: dict[str, dict[str, np.ndarray]] = {}
+    for name, group in by_objective.items():
+        metrics = {k: np.mean([r["per_sequence"][k] for r in group], axis=0)
+                   for k in group[0]["per_sequence"]}  # fmt: skip
+        for t in group[0].get("decode", {}):
+            runs = [r["decode"][t]["tokens_per_round"] for r in group]
+            metrics[f"{t}_tokens_per_round"] = np.mean(runs, axis=0)
+        pooled[name] = metrics
+    base = next(iter(pooled))
+    objectives = {}
+    for name, metrics in pooled.items():
+        entry = {k: bootstrap_mean(v) for k, v in metrics.items()}
+        if name != base:
+            entry |= {f"diff:{k}": bootstrap_mean(v - pooled[base][k]) for k, v in metrics.items()}
+        entry["seeds"] = [r["seed"] for r in by_objective[name]]
+        entry["per_seed_kl"] = [float(r["per_sequence"]["kl"].mean()) for r in by_objective[name]]
+        objectives[name] = entry
+    return {
+        "settings": dataclasses.asdict(settings),
+        "training_positions": store.positions,
+        "training_sequences": store.sequences,
+        "heldout_sequences": int(len(next(iter(pooled.values()))["kl"])),
+        "objectives": objectives,
+        "heads": [r["head"] for r in rows],
+    }
+
+
+def results_table(summary: dict) -> str:
+    """Markdown: one row per objective, ``mean [low, high]`` per metric, and the paired
+    differences against the first objective (``*``: the interval excludes 0)."""
+    from jaxcert.base.tables import markdown_table
+
+    objectives = summary["objectives"]
+    metrics = [
+        k for k in next(iter(objectives.values())) if ":" not in k or k.startswith("certified")
+    ]
+    metrics = [k for k in metrics if k not in ("seeds", "per_seed_kl")]
+    diffs = ("kl", "agreement", "T0_tokens_per_round", "T1_tokens_per_round")
+
+    def cell(v: tuple[float, float, float]) -> str:
+        return f"{v[0]:.4f} [{v[1]:.4f}, {v[2]:.4f}]"
+
+    def diff(entry: dict, k: str) -> str:
+        if f"diff:{k}" not in entry:
+            return "—"
+        m, lo, hi = entry[f"diff:{k}"]
+        return f"{m:+.4f} [{lo:+.4f}, {hi:+.4f}]" + ("*" if lo > 0 or hi < 0 else "")
+
+    rows = [
+        {"objective": name, "seeds": ",".join(map(str, e["seeds"]))}
+        | {k: cell(e[k]) for k in metrics}
+        | {f"Δ {k}": diff(e, k) for k in diffs if k in e}
+        for name, e in objectives.items()
+    ]
+    return markdown_table(rows)
+
+
+def decode_prompt_ids(target: LoadedModel, source: str, count: int) -> list[list[int]]:
+    """Token ids of ``count`` first turns of ``source`` (``prompts.load_prompts``; chat
+    template): the first prompt of each category, then the second of each, and so on.
+    MT-Bench, the default, is never part of a training set drawn from ShareGPT."""
+    if count == 0:
+        return []
+    questions = prompts.load_prompts(source)
+    by_category: dict[str | None, list[prompts.Prompt]] = {}
+    for q in questions:
+        by_category.setdefault(q.category, []).append(q)
+    order = [
+        g[i]
+        for i in range(max(map(len, by_category.values())))
+        for g in by_category.values()
+        if i < len(g)
+    ]
+    return prompts.encode_prompts(target.tokenizer, order[:count])
+
+
+def decode_heads(
+    target: Transformer,
+    heads: Sequence[EagleHead],
+    prompt_ids: Sequence[Sequence[int]],
+    *,
+    draft_length: int = 5,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    eos_ids: Sequence[int] = (),
+    seed: int = 0,
+) -> list[dict[str, np.ndarray]]:
+    """Each head drafting for ``target`` in the speculative decoder: greedy chain
+    verification at ``temperature == 0``, speculative sampling otherwise, ``constant:K``.
+
+    All prompts are one batch (one compilation per head shape).
+
+    Returns:
+      Per head ``{"tokens", "rounds", "tokens_per_round"}``, each ``[P]`` (per prompt:
+      emitted tokens, rounds, their ratio: the acceptance length, accepted drafts plus the
+      target's token).
+    """
+    import jax
+
+    from jaxcert import decoding
+
+    config = decoding.DecodeConfig(
+        verification="sample" if temperature > 0 else "greedy",
+        temperature=temperature,
+        max_new_tokens=max_new_tokens,
+        max_draft=draft_length,
+        eos_ids=tuple(eos_ids),
+    )
+    out = []
+    for head in heads:
+        result = decoding.speculative_decode(
+            target, head, [list(p) for p in prompt_ids], policy=decoding.Constant(k=draft_length),
+            config=config, key=jax.random.key(seed),
+        )  # fmt: skip
+        stats = result.stats
+        assert stats is not None
+        active = np.asarray(stats.active)
+        tokens = (np.asarray(stats.emitted) * active).sum(0).astype(np.float64)
+        rounds = active.sum(0).astype(np.float64)
+        out.append({"tokens": tokens, "rounds": rounds, "tokens_per_round": tokens / rounds})
+    return out

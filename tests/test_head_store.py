@@ -1,0 +1,230 @@
+"""Draft-head training at scale: the record store (streamed, resumable) against a direct
+recomputation, the window loss against the full-vocabulary KL and TV, and resumable
+training (tiny target)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from tiny_models import hf_tokenizer, random_model, tiny_config  # noqa: I001
+
+from jaxcert import losses
+from jaxcert.base.prompts import Prompt
+from jaxcert.core import rules, solver
+from jaxcert.models import EagleHead
+from jaxcert.training import head_data
+from jaxcert.training.eagle import target_states, train_head_on_records, window_terms
+from jaxcert.training.train import Objective
+
+V = 48
+TAPS = (0, 1)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return random_model(tiny_config(vocab_size=V, num_layers=2, max_position_embeddings=64))
+
+
+def _sequences(n, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        start = int(rng.integers(2, 6))
+        length = int(rng.integers(start + 2, 20))
+        out.append(head_data.TrainingSequence(str(i), tuple(rng.integers(0, V, length)), start))
+    return out
+
+
+def _spec(**kw):
+    return head_data.StoreSpec(
+        **{"target": "tiny", "taps": TAPS, "length": 24, "top_k": 8, "batch_size": 3} | kw
+    )
+
+
+def test_store_equals_a_direct_teacher_forced_pass(target, tmp_path):
+    seqs = _sequences(7)
+    store = head_data.write_store(target, seqs, tmp_path / "s", _spec())
+    assert [s["rows"] for s in store.shards] == [3, 3, 1]
+    assert store.positions == sum(len(s.tokens) - s.start for s in seqs)
+    rec = head_data.read_store(tmp_path / "s").load()
+    tokens = np.zeros((7, 24), np.int32)
+    for i, s in enumerate(seqs):
+        tokens[i, : len(s.tokens)] = s.tokens
+    lengths = np.asarray([len(s.tokens) for s in seqs])
+    direct = target_states(target, tokens, lengths, TAPS)
+    logp = np.asarray(jax.nn.log_softmax(direct.logits, axis=-1))
+    np.testing.assert_array_equal(rec.tokens, tokens)
+    np.testing.assert_allclose(rec.states, np.asarray(direct.states), atol=2e-5)
+    want_ids = np.argsort(-logp, axis=-1)[..., :8]
+    np.testing.assert_allclose(rec.top_logp, np.take_along_axis(logp, want_ids, -1), atol=2e-5)
+    assert np.mean(rec.top_ids == want_ids) > 0.999  # ties aside
+    p = np.exp(logp)
+    np.testing.assert_allclose(rec.entropy, -np.sum(p * logp, -1), atol=2e-5)
+    certs = solver.certificates(jnp.asarray(logp), (rules.StrictGreedy(), rules.TreeCoverage(4)))
+    np.testing.assert_allclose(
+        rec.certificate[..., 0], np.asarray(certs[0].value), rtol=1e-4, atol=1e-8
+    )
+    np.testing.assert_allclose(
+        rec.certificate[..., 1], np.asarray(certs[1].value), rtol=1e-4, atol=1e-8
+    )
+    mask = rec.mask
+    for i, s in enumerate(seqs):  # the reply's positions: x_{t+1} is a reply token
+        assert np.flatnonzero(mask[i]).tolist() == list(range(s.start - 1, len(s.tokens) - 1))
+
+
+def test_store_resumes_and_refuses_what_does_not_match(target, tmp_path):
+    seqs = _sequences(7)
+    whole = head_data.write_store(target, seqs, tmp_path / "whole", _spec()).load()
+    part = head_data.write_store(target, seqs, tmp_path / "p", _spec(), max_positions=1)
+    assert len(part.shards) == 1  # stopped after the first shard passed the goal
+    (tmp_path / "p" / "shard-00001.safetensors.tmp").write_bytes(b"torn write")  # a crash
+    resumed = head_data.write_store(target, seqs, tmp_path / "p", _spec())
+    assert len(resumed.shards) == 3
+    got = resumed.load()
+    for name in ("tokens", "states", "top_logp", "certificate", "length", "start"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(whole, name))
+    with pytest.raises(ValueError, match="written with .*use another folder"):
+        head_data.write_store(target, seqs, tmp_path / "p", _spec(top_k=4))
+    with pytest.raises(ValueError, match="shard 0 was written from other sequences"):
+        head_data.write_store(target, _sequences(7, seed=1), tmp_path / "p", _spec())
+    with pytest.raises(ValueError, match="outside the target's vocabulary"):
+        bad = [head_data.TrainingSequence("x", (1, V, 2), 1)]
+        head_data.write_store(target, bad, tmp_path / "bad", _spec())
+    with pytest.raises(FileNotFoundError, match="no head-record store"):
+        head_data.read_store(tmp_path / "nothing")
+    with pytest.raises(ValueError, match="rule"):
+        _spec(rules=("greedy", "nonsense"))
+
+
+@pytest.mark.parametrize("draft_vocab", [None, np.arange(0, V, 2)], ids=["full", "half"])
+def test_window_terms_equal_full_kl_and_tv_with_the_whole_vocabulary(target, tmp_path, draft_vocab):
+    seqs = _sequences(3)
+    spec = _spec(top_k=V)  # the window is the whole vocabulary: nothing is coarsened
+    rec = head_data.write_store(target, seqs, tmp_path / "s", spec).load()
+    head = EagleHead.from_target(target, rngs=nnx.Rngs(1), taps=TAPS, draft_vocab=draft_vocab)
+    batch = {k: jnp.asarray(getattr(rec, k)) for k in ("tokens", "states", "top_logp", "top_ids")}
+    batch["certificate"] = jnp.asarray(rec.certificate)
+    kl, tv, _, _ = window_terms(head, batch)
+    from jaxcert.decoding.protocols import context_before
+
+    q_logits, _ = head(
+        batch["tokens"], head.init_cache(3, 24), context=context_before(head, batch["states"])
+    )
+    lengths = np.asarray([len(s.tokens) for s in seqs])
+    direct = target_states(target, np.asarray(rec.tokens), lengths, TAPS)
+    want_kl = losses.kl_divergence(drafter_logits=q_logits, target_logits=direct.logits)
+    p, q = jax.nn.softmax(direct.logits, -1), jax.nn.softmax(q_logits, -1)
+    want_tv = 0.5 * jnp.sum(jnp.abs(p - q), -1)
+    m = rec.mask
+    np.testing.assert_allclose(np.asarray(kl)[m], np.asarray(want_kl)[m], atol=2e-4, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(tv)[m], np.asarray(want_tv)[m], atol=2e-5)
+    # A narrower window coarsens: its KL is a lower bound.
+    narrow = {**batch, "top_logp": batch["top_logp"][..., :4], "top_ids": batch["top_ids"][..., :4]}
+    kl4, _, _, _ = window_terms(head, narrow)
+    assert np.all(np.asarray(kl4)[m] <= np.asarray(want_kl)[m] + 1e-5)
+    assert np.mean(np.asarray(kl4)[m] < np.asarray(want_kl)[m] - 1e-3) > 0.5
+
+
+def test_training_on_records_lowers_kl_and_resumes_exactly(target, tmp_path):
+    seqs = _sequences(24)
+    store = head_data.write_store(target, seqs, tmp_path / "s", _spec(top_k=16, batch_size=8))
+    rec = store.load()
+    objective = Objective("kl+greedy", rules.StrictGreedy(), tv_weight=0.5)
+    new = lambda: EagleHead.from_target(target, rngs=nnx.Rngs(1), taps=TAPS)  # noqa: E731
+    kw = dict(rule_names=store.spec.rules, steps=8, batch_size=4, learning_rate=3e-3, seed=0)
+    head, history = train_head_on_records(new(), rec, objective, **kw)
+    assert len(history) == 8
+    assert history[-1]["kl"] < history[0]["kl"]
+
+    class Stop(Exception):
+        pass
+
+    def crash(step, entry):
+        if step == 5:
+            raise Stop
+
+    with pytest.raises(Stop):
+        train_head_on_records(
+            new(), rec, objective, checkpoint=tmp_path / "ck", every=3, log=crash, **kw
+        )
+    resumed, history2 = train_head_on_records(
+        new(), rec, objective, checkpoint=tmp_path / "ck", every=3, **kw
+    )
+    assert len(history2) == 8
+    np.testing.assert_allclose(
+        [h["loss"] for h in history2], [h["loss"] for h in history], rtol=1e-5
+    )
+    a = jax.tree.leaves(nnx.state(head, nnx.Param))
+    b = jax.tree.leaves(nnx.state(resumed, nnx.Param))
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6)
+    with pytest.raises(ValueError, match="not among the store's rules"):
+        train_head_on_records(new(), rec, Objective("x", rules.Additive(0.3)), **kw)
+
+
+def test_reply_sequences_append_the_reply_and_the_end_token():
+    tok = hf_tokenizer()
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    ps = [Prompt("a", "the cat", response="he is in"), Prompt("b", "no reply"),
+          Prompt("c", "the cat sat on the mat " * 20, response="x")]  # fmt: skip
+    seqs = head_data.reply_sequences(tok, ps, length=64, end_id=end)
+    assert [s.id for s in seqs] == ["a"]  # no reply; a prompt over half the length
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "the cat"}], add_generation_prompt=True, tokenize=False
+    )
+    assert text.endswith("<|im_start|>assistant\n")
+    prompt_ids = tok(text, add_special_tokens=False)["input_ids"]
+    reply = tok("he is in", add_special_tokens=False)["input_ids"]
+    assert list(seqs[0].tokens) == list(prompt_ids) + reply + [end]
+    assert seqs[0].start == len(prompt_ids)
+
+
+def _sharegpt(path, n, seed=0):
+    import json
+
+    rng = np.random.default_rng(seed)
+    words = ["the", "cat", "sat", "on", "mat", "he", "is", "in", "an", "otter", "a", "b"]
+    say = lambda k: " ".join(rng.choice(words, k))  # noqa: E731
+    records = [
+        {"id": f"c{i}", "conversations": [{"from": "human", "value": say(3)},
+                                          {"from": "gpt", "value": say(int(rng.integers(4, 12)))}]}
+        for i in range(n)
+    ]  # fmt: skip
+    path.write_text(json.dumps(records))
+    return path
+
+
+def test_train_drafter_head_mode_end_to_end_and_resumes(tmp_path, capsys):
+    """`jaxcert train-drafter --head eagle3` on a tiny checkpoint: stores, two objectives,
+    held-out table with intervals, decoding at T = 0 and T = 1, saved heads that load; a
+    second run retrains nothing and prints the same table."""
+    import json
+
+    from tiny_lm import save_tiny_checkpoint
+
+    from jaxcert.cli import main
+    from jaxcert.models.eagle import load_head
+
+    ckpt = save_tiny_checkpoint(tmp_path / "tiny")
+    data = _sharegpt(tmp_path / "conv.json", 14)
+    out = tmp_path / "out"
+    argv = ["train-drafter", "--head", "eagle3", "--target", str(ckpt), "--prompts", str(data),
+            "--positions", "30", "--heldout-sequences", "4", "--draft-vocab", "20",
+            "--objectives", "kl,kl+tv", "--seeds", "0", "--train-steps", "4",
+            "--decode-prompts", "2", "--decode-source", str(data), "--decode-tokens", "8",
+            "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    first = capsys.readouterr().out
+    summary = json.loads((out / "results.json").read_text())
+    assert summary["training_positions"] >= 30 and summary["heldout_sequences"] == 4
+    assert set(summary["objectives"]) == {"kl", "kl+tv"}
+    kl = summary["objectives"]["kl"]
+    assert kl["kl"][1] <= kl["kl"][0] <= kl["kl"][2]  # mean inside its interval
+    assert 1.0 <= kl["T0_tokens_per_round"][0] <= 6.0 and 1.0 <= kl["T1_tokens_per_round"][0]
+    assert "diff:kl" in summary["objectives"]["kl+tv"] and "diff:kl" not in kl
+    head = load_head(out / "kl-seed0" / "head")
+    assert head.taps == (0, 1) and head.draft_size == 20
+    assert (out / "results.md").read_text().strip() == first.strip()
+    assert main(argv) == 0  # everything is on disk: nothing is recomputed
+    assert capsys.readouterr().out == first
