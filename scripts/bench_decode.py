@@ -27,6 +27,13 @@ Examples: the full protocol, and the reduced run of the table in docs/benchmarks
   python scripts/bench_decode.py --per-category 1 --max-new-tokens 64 --temperatures 0 \\
       --tree-policies svip:0.3,cert --batch-sizes 1,4,8 --hf-peer --hf-prompts 2
 
+A trained draft head (``--head FOLDER``, from ``jaxcert train-drafter --head``) adds the
+configurations ``head/<shape>`` (``--head-shapes``, ``--head-policies``), timed in the same
+interleaved protocol and compared with the LM drafter's by the paired bootstrap::
+
+  python scripts/bench_decode.py --head jaxcert-out/train-head/kl-seed0/head \
+      --shapes chain --policies svip:0.3 --head-policies constant:4,constant:6
+
 Prints markdown tables and writes a JSON file (``--out``).
 """
 
@@ -57,7 +64,21 @@ TUNING = {4, 5, 6, 7} | set(range(5, 80, 10))
 def _args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
-    p.add_argument("--drafter", default="qwen2.5-coder-0.5b-instruct")
+    p.add_argument(
+        "--drafter",
+        default="qwen2.5-coder-0.5b-instruct",
+        help="the LM drafter ('none': only --head configurations)",
+    )
+    p.add_argument(
+        "--head",
+        default=None,
+        help="a trained draft-head folder (train-drafter --head): adds 'head/<shape>' "
+        "configurations for every --head-shapes shape",
+    )
+    p.add_argument("--head-shapes", default="chain,tree:2x4", help="shapes drafted by --head")
+    p.add_argument(
+        "--head-policies", default=None, help="policies of the head (default: --policies)"
+    )
     p.add_argument("--prompts", default="mtbench")
     p.add_argument(
         "--per-category",
@@ -107,7 +128,13 @@ def _select(prompt_set, args) -> list:
     return chosen
 
 
+def _drafter(drafters: dict, shape: str):
+    """The drafter of a configuration: ``head/<shape>`` is the head's, others the LM's."""
+    return drafters["head" if shape.startswith("head/") else "lm"]
+
+
 def _config(shape: str, temperature: float, args, eos) -> decoding.DecodeConfig:
+    shape = shape.removeprefix("head/")
     rule = "greedy" if temperature == 0 else "sample"
     verify = rule if shape == "chain" else f"{shape}+{rule}"
     buckets = None
@@ -147,7 +174,7 @@ class _Runs:
         return float(np.sum(self.tokens) / np.sum(self.seconds))
 
 
-def _decode_all(target, drafter, encoded, args, eos, temperatures, policies, shapes, log, save):
+def _decode_all(target, drafters, encoded, args, eos, temperatures, policies, shapes, log, save):
     """Every configuration on every prompt; compilation (the first call of each program) is
     timed apart (``compile_s``) and not in the decode seconds. ``save(results)`` runs after
     every prompt, so an interrupted run keeps what it measured."""
@@ -159,7 +186,17 @@ def _decode_all(target, drafter, encoded, args, eos, temperatures, policies, sha
     if args.tree_policies:
         tree_pols = [decoding.parse_policy(p) for p in args.tree_policies.split(",")]
         policies = policies + [p for p in tree_pols if p not in policies]
-    order = [(s, p) for s in shapes for p in policies if s == "chain" or p in tree_pols]
+    order = [
+        (s, p)
+        for s in shapes
+        if not s.startswith("head/")
+        for p in policies
+        if s == "chain" or p in tree_pols
+    ]
+    head_pols = policies
+    if args.head_policies:
+        head_pols = [decoding.parse_policy(p) for p in args.head_policies.split(",")]
+    order += [(s, p) for s in shapes if s.startswith("head/") for p in head_pols]
     for temperature in temperatures:
         configs = {shape: _config(shape, temperature, args, eos) for shape in shapes}
         kw = dict(
@@ -178,7 +215,7 @@ def _decode_all(target, drafter, encoded, args, eos, temperatures, policies, sha
                 key, sub = jax.random.split(key)
                 outs[shape, policy.spec] = decoding.speculative_decode(
                     target,
-                    drafter,
+                    _drafter(drafters, shape),
                     [prompt],
                     policy=policy,
                     config=configs[shape],
@@ -264,7 +301,7 @@ def _comparisons(results, temperatures, shapes):
     return [_paired(results, *pair) for pair in dict.fromkeys(pairs)]
 
 
-def _batches(target, drafter, encoded, args, eos, best, width, log):
+def _batches(target, drafters, encoded, args, eos, best, width, log):
     """Whole-batch tokens/s of target-only and the best configuration (T = 0)."""
     rows = []
     shape, spec = best
@@ -286,7 +323,12 @@ def _batches(target, drafter, encoded, args, eos, best, width, log):
                     )
                 else:
                     out = decoding.speculative_decode(
-                        target, drafter, batch, policy=policy, config=config, prompt_width=width
+                        target,
+                        _drafter(drafters, shape),
+                        batch,
+                        policy=policy,
+                        config=config,
+                        prompt_width=width,
                     )
                 tokens += out.num_tokens
                 seconds += out.decode_s
@@ -366,8 +408,18 @@ def main(argv=None) -> int:
     log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
     t0 = time.perf_counter()
     target = models.load(args.target)
-    drafter = models.load(args.drafter)
-    decoding.check_pair(target, drafter)
+    drafters: dict = {}
+    if args.drafter != "none":
+        drafters["lm"] = models.load(args.drafter)
+        decoding.check_pair(target, drafters["lm"])
+    else:
+        shapes = []
+    if args.head is not None:
+        from jaxcert.models import eagle
+
+        drafters["head"] = eagle.load_head(args.head)
+        eagle.check_head_fits(drafters["head"], target.config)
+        shapes += [f"head/{s}" for s in args.head_shapes.split(",")]
     load_s = time.perf_counter() - t0
     eos = target.eos_ids
     prompt_set = _select(prompts.load_prompts(args.prompts), args)
@@ -393,7 +445,7 @@ def main(argv=None) -> int:
         write(rows=_rows(results), comparisons=_comparisons(results, temperatures, shapes))
 
     results, width = _decode_all(
-        target, drafter, encoded, args, eos, temperatures, policies, shapes, log, save
+        target, drafters, encoded, args, eos, temperatures, policies, shapes, log, save
     )
     rows = _rows(results)
     comparisons = _comparisons(results, temperatures, shapes)
@@ -402,12 +454,12 @@ def main(argv=None) -> int:
     batch_rows = []
     if args.batch_sizes and best is not None:
         batch_rows = _batches(
-            target, drafter, encoded, args, eos, (best["shape"], best["policy"]), width, log
+            target, drafters, encoded, args, eos, (best["shape"], best["policy"]), width, log
         )
         write(rows=rows, comparisons=comparisons, batches=batch_rows)
     hf_rows = []
     if args.hf_peer:
-        del target, drafter
+        del target, drafters
         gc.collect()
         hf_rows = _hf_peer(args, encoded, log)
     print(_tables(rows, comparisons, batch_rows, hf_rows))

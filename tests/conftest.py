@@ -14,6 +14,15 @@ for folder in (_HERE, _HERE / "models"):
     if str(folder) not in sys.path:
         sys.path.append(str(folder))
 
+# The suite is mostly XLA compilation of tiny programs: cheaper CPU code generation (no
+# LLVM optimisation, no expensive passes) cuts its time by about a fifth. Same semantics;
+# JAXCERT_TEST_XLA_OPT=1 keeps XLA's defaults. Set before jax is imported; subprocesses
+# inherit it (tests that add device-count flags append to it).
+if os.environ.get("JAXCERT_TEST_XLA_OPT") != "1":
+    _CHEAP = ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]
+    _flags = os.environ.get("XLA_FLAGS", "").split()
+    os.environ["XLA_FLAGS"] = " ".join(_flags + [f for f in _CHEAP if f not in _flags])
+
 # The CLI turns on JAX's persistent compilation cache: in tests, a fresh folder per session
 # (inherited by the subprocesses) instead of the user's cache.
 os.environ.setdefault("JAXCERT_COMPILE_CACHE", tempfile.mkdtemp(prefix="jaxcert-xla-"))

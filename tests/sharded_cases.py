@@ -17,7 +17,9 @@ import os
 import sys
 
 if __name__ == "__main__":  # not when pytest imports this file (e.g. for doctests)
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    )
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

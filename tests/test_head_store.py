@@ -195,6 +195,7 @@ def _sharegpt(path, n, seed=0):
     return path
 
 
+@pytest.mark.slow
 def test_train_drafter_head_mode_end_to_end_and_resumes(tmp_path, capsys):
     """`jaxcert train-drafter --head eagle3` on a tiny checkpoint: stores, two objectives,
     held-out table with intervals, decoding at T = 0 and T = 1, saved heads that load; a

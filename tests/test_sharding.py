@@ -104,7 +104,8 @@ def test_readme_sharded_training_step_equals_one_device(tmp_path):
     code = _readme_block('mesh = jax.make_mesh((2, 4), ("data", "model"))')
     script = tmp_path / "step.py"
     script.write_text(
-        "import os\nos.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=8'\n" + code
+        "import os\nos.environ['XLA_FLAGS'] = os.environ.get('XLA_FLAGS', '') + "
+        "' --xla_force_host_platform_device_count=8'\n" + code
     )
     result = subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, timeout=600

@@ -59,7 +59,7 @@ def add_head_arguments(p: argparse.ArgumentParser) -> None:
         "--draft-vocab",
         type=non_negative,
         default=32_768,
-        help="reduced draft vocabulary (0: the full one; default %(default)s)",
+        help="reduced draft vocabulary, 0 for the full one (default %(default)s)",
     )
     g.add_argument(
         "--head-layers", type=positive, default=1, help="decoder blocks (default %(default)s)"

@@ -104,22 +104,47 @@ def test_context_head_is_a_feature_drafter():
     assert not reads_target(random_model(CONFIG, seed=1))
 
 
-@pytest.mark.parametrize("taps", [(), (0, 1)], ids=["final-hidden", "taps0-1"])
-@pytest.mark.parametrize("verify", ["greedy", "tree:2x3", "dyntree:3x3x6"])
-def test_speculative_greedy_with_a_head_equals_target_only(target, want, verify, taps):
+_SLOW = pytest.mark.slow  # the same program as a default case, another shape or head
+
+
+@pytest.mark.parametrize(
+    "verify, taps, policy",
+    [
+        ("dyntree:3x3x6", (0, 1), "constant:4"),
+        *(("greedy", (0, 1), p) for p in ("constant:4", "heuristic", "confidence:0.5")),
+        *(("greedy", (0, 1), p) for p in ("svip:0.3", "cert")),
+        pytest.param("greedy", (), "constant:4", marks=_SLOW),
+        pytest.param("tree:2x3", (), "svip:0.3", marks=_SLOW),
+        pytest.param("tree:2x3", (0, 1), "constant:4", marks=_SLOW),
+        pytest.param("dyntree:3x3x6", (), "cert", marks=_SLOW),
+    ],
+    ids=lambda x: (
+        (("taps" + "-".join(map(str, x))) if x else "final-hidden") if isinstance(x, tuple) else x
+    ),
+)
+def test_speculative_greedy_with_a_head_equals_target_only(target, want, verify, taps, policy):
+    """Every policy (one compiled program: policies are traced parameters) and every shape."""
     out = decoding.speculative_decode(
-        target, ContextHead(taps), PROMPTS, config=_config(verify), policy=decoding.Constant(k=4)
-    )
+        target, ContextHead(taps), PROMPTS, config=_config(verify),
+        policy=decoding.parse_policy(policy),
+    )  # fmt: skip
     for got, w in zip(out.tokens, want, strict=True):
         np.testing.assert_array_equal(got, w)
 
 
 @pytest.mark.parametrize(
-    "kw",
-    [dict(), dict(taps=(0, 1), draft_vocab=range(0, V, 2), num_layers=2)],
-    ids=["eagle1", "eagle3-2layers-halfvocab"],
+    "verify, kw",
+    [
+        ("greedy", dict()),
+        *(
+            (v, dict(taps=(0, 1), draft_vocab=range(0, V, 2), num_layers=2))
+            for v in ("greedy", "tree:2x3", "dyntree:3x3x6")
+        ),
+        pytest.param("tree:2x3", dict(), marks=_SLOW),
+        pytest.param("dyntree:3x3x6", dict(), marks=_SLOW),
+    ],  # fmt: skip
+    ids=lambda x: ("eagle1" if not x else "eagle3-2layers-halfvocab") if isinstance(x, dict) else x,
 )
-@pytest.mark.parametrize("verify", ["greedy", "tree:2x3", "dyntree:3x3x6"])
 def test_speculative_greedy_with_an_eagle_head_equals_target_only(target, want, verify, kw):
     head = EagleHead.from_target(target, rngs=nnx.Rngs(1), **kw)
     out = decoding.speculative_decode(
