@@ -106,7 +106,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--learning-rate",
         type=positive_float,
         default=None,
-        help="peak Adam learning rate, warm-up then cosine decay (default 0.001; 0.0003 with --head)",
+        help="peak Adam learning rate, warm-up then cosine decay (default 0.001; 0.0003 "
+        "with --head)",
     )
     p.add_argument(
         "--width",

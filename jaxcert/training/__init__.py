@@ -25,6 +25,13 @@ Modules: :mod:`~jaxcert.training.heads` (the nnx modules), :mod:`~jaxcert.traini
 (objectives, optimisation), :mod:`~jaxcert.training.evaluation` (offline and decoder
 acceptance) and :mod:`~jaxcert.training.recipe` (the steps of ``jaxcert train-drafter``:
 features of both models, the comparison of objectives, results).
+
+EAGLE draft heads (`jaxcert.models.EagleHead`, ``jaxcert train-drafter --head``,
+``docs/training.md``): :mod:`~jaxcert.training.head_data` (the target's records, streamed to
+disk and resumable), :mod:`~jaxcert.training.eagle` (the window losses and resumable
+training, and in-memory training for small targets) and
+:mod:`~jaxcert.training.head_recipe` (the steps of head mode: stores, objectives x seeds,
+held-out evaluation, decoding, the table).
 """
 
 from jaxcert.training.evaluation import chain_acceptance_length, decoder_acceptance, evaluate

@@ -140,10 +140,6 @@ class HeadRecords:
         t = np.arange(self.tokens.shape[1])[None, :]
         return (t >= self.start[:, None] - 1) & (t < self.length[:, None] - 1)
 
-    def rows(self, index: np.ndarray) -> HeadRecords:
-        """The sequences at ``index`` (``[n]`` int)."""
-        return HeadRecords(**{k: getattr(self, k)[index] for k in _ARRAYS})
-
 
 @dataclasses.dataclass(frozen=True)
 class Store:

@@ -26,9 +26,15 @@ def target():
 
 @pytest.fixture(scope="session")
 def drafters(target):
+    from flax import nnx
+
+    from jaxcert.models import EagleHead
+
+    half = range(0, CONFIG.vocab_size, 2)
     return {
         "similar": random_model(CONFIG, seed=7, noise_of=target, scale=0.003),
         "unlike": random_model(CONFIG, seed=2),
+        "eagle": EagleHead.from_target(target, rngs=nnx.Rngs(3), taps=(0, 1), draft_vocab=half),
     }
 
 

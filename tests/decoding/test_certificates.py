@@ -22,6 +22,10 @@ RUNS = [
     ("unlike", dict(verify="additive:0.3", max_draft=4, buckets=(4,))),
     ("unlike", dict(verify="topk:3", max_draft=4, buckets=(4,))),
     ("unlike", dict(verify="tree:2x3+typical", buckets=(6,))),
+    # An EAGLE-3 head (fused blocks, half the vocabulary) under relaxed rules: its q is a
+    # distribution over the full vocabulary, so its certificates keep their promise too.
+    ("eagle", dict(verify="additive:0.3", max_draft=4, buckets=(4,))),
+    ("eagle", dict(verify="tree:2x3+typical", buckets=(6,))),
 ]
 
 
