@@ -98,8 +98,10 @@ def _read_sharegpt(path: pathlib.Path, turn: int, limit: int | None) -> list[Pro
             raise ValueError(f"{path}: record {len(prompts)} has no 'conversations' list")
         turns = [t for t in turns if isinstance(t, dict)]
         human = [i for i, t in enumerate(turns) if t.get("from") == "human"]
-        at = human[turn] if turn < len(human) else None
-        question = None if at is None else turns[at].get("value")
+        if turn >= len(human):
+            continue
+        at = human[turn]
+        question = turns[at].get("value")
         if isinstance(question, str) and question.strip():
             after = turns[at + 1] if at + 1 < len(turns) else {}
             answer = after.get("value") if after.get("from") == "gpt" else None

@@ -22,7 +22,7 @@ import dataclasses
 import json
 import pathlib
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -395,7 +395,7 @@ def summarize(rows: Sequence[dict], store: head_data.Store, settings: HeadSettin
     base = next(iter(pooled))
     objectives = {}
     for name, metrics in pooled.items():
-        entry = {k: bootstrap_mean(v) for k, v in metrics.items()}
+        entry: dict[str, Any] = {k: bootstrap_mean(v) for k, v in metrics.items()}
         if name != base:
             entry |= {f"diff:{k}": bootstrap_mean(v - pooled[base][k]) for k, v in metrics.items()}
         entry["seeds"] = [r["seed"] for r in by_objective[name]]
@@ -486,7 +486,7 @@ def decode_heads(
     from jaxcert import decoding
 
     config = decoding.DecodeConfig(
-        verification="sample" if temperature > 0 else "greedy",
+        verification=decoding.parse_verify("sample" if temperature > 0 else "greedy"),
         temperature=temperature,
         max_new_tokens=max_new_tokens,
         max_draft=draft_length,
