@@ -26,6 +26,7 @@ from jaxcert.cli.argtypes import (
     unit_float,
 )
 from jaxcert.cli.train_head import add_head_arguments
+from jaxcert.cli.train_head import log as _log
 
 if TYPE_CHECKING:
     from jaxcert.models import LoadedModel
@@ -182,10 +183,6 @@ def _bar(desc: str) -> Iterator[Callable[[int, int], None]]:
         yield update
     finally:
         bar.close()
-
-
-def _log(message: str) -> None:
-    print(f"[jaxcert] {message}", file=sys.stderr)
 
 
 def _loaders(args: argparse.Namespace) -> recipe.Loaders:

@@ -87,16 +87,24 @@ def add_head_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _log(message: str) -> None:
+def log(message: str) -> None:
+    """A ``[jaxcert]`` progress line on stderr (shared with train-drafter)."""
     print(f"[jaxcert] {message}", file=sys.stderr)
 
 
-def _settings(args: argparse.Namespace, num_layers: int):
-    from jaxcert.training import head_recipe
-
-    seeds = tuple(int(s) for s in args.seeds.split(",") if s.strip())
+def _seeds(spec: str) -> tuple[int, ...]:
+    try:
+        seeds = tuple(int(s) for s in spec.split(",") if s.strip())
+    except ValueError:
+        raise ValueError(f"--seeds: comma-separated integers, got {spec!r}") from None
     if not seeds:
         raise ValueError("--seeds: give at least one seed")
+    return seeds
+
+
+def _settings(args: argparse.Namespace, num_layers: int, seeds: tuple[int, ...]):
+    from jaxcert.training import head_recipe
+
     return head_recipe.HeadSettings(
         data=args.data,
         taps=head_recipe.default_taps(num_layers) if args.head == "eagle3" else (),
@@ -128,20 +136,21 @@ def run(args: argparse.Namespace) -> int:
     from jaxcert.training import head_recipe
 
     out = args.out or pathlib.Path("jaxcert-out/train-head")
-    objectives = _objectives(args.objectives, args.weight, args.margin)
+    objectives = _objectives(args.objectives, args.weight, args.margin)  # before any loading
+    seeds = _seeds(args.seeds)
     started = time.perf_counter()
     prompt_set = load_prompt_set(args.prompts or "sharegpt", max_prompts=args.max_prompts)
     target = load_model("--target", args.target or DEFAULT_DECODE_TARGET, dtype=jnp.float32)
-    settings = _settings(args, target.config.num_layers)
+    settings = _settings(args, target.config.num_layers, seeds)
     train, held = head_recipe.split_sequences(
         head_recipe.sequences(target, prompt_set, settings), settings.heldout
     )
-    store, heldout = head_recipe.write_stores(target, train, held, settings, out, log=_log)
+    store, heldout = head_recipe.write_stores(target, train, held, settings, out, log=log)
     decode_prompts = head_recipe.decode_prompt_ids(target, args.decode_source, args.decode_prompts)
     rows = head_recipe.compare_heads(
         target.model, store, heldout, objectives, settings, out,
         decode_prompts=decode_prompts, decode_tokens=args.decode_tokens,
-        draft_length=args.draft_length, eos_ids=target.config.eos_token_ids, log=_log,
+        draft_length=args.draft_length, eos_ids=target.config.eos_token_ids, log=log,
     )  # fmt: skip
     summary = head_recipe.summarize(rows, store, settings)
     summary["seconds"] = time.perf_counter() - started

@@ -265,7 +265,8 @@ def write_stores(
 
     def progress(done: int, goal: int) -> None:
         rate = done / max(time.perf_counter() - t0, 1e-9)
-        log(f"records: {done:,} / {goal:,} positions ({rate:.0f} positions/s this run)")
+        of = f" / {goal:,}" if goal > 0 else " held-out"
+        log(f"records: {done:,}{of} positions ({rate:.0f} positions/s this run)")
 
     store = head_data.write_store(
         target.model,
@@ -275,8 +276,13 @@ def write_stores(
         max_positions=settings.positions,
         progress=progress,
     )
+    t0 = time.perf_counter()
     heldout = head_data.write_store(
-        target.model, held, out / "heldout", _store_spec(target, settings, settings.heldout_top_k)
+        target.model,
+        held,
+        out / "heldout",
+        _store_spec(target, settings, settings.heldout_top_k),
+        progress=progress,
     )
     log(f"records: {store.positions:,} training positions, {heldout.positions:,} held out")
     return store, heldout
