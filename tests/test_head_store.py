@@ -126,6 +126,7 @@ def test_window_terms_equal_full_kl_and_tv_with_the_whole_vocabulary(target, tmp
     assert np.mean(np.asarray(kl4)[m] < np.asarray(want_kl)[m] - 1e-3) > 0.5
 
 
+@pytest.mark.slow
 def test_training_on_records_lowers_kl_and_resumes_exactly(target, tmp_path):
     seqs = _sequences(24)
     store = head_data.write_store(target, seqs, tmp_path / "s", _spec(top_k=16, batch_size=8))

@@ -181,7 +181,9 @@ def _kl(p_logits, q_logits):
     return float(np.sum(np.exp(lp) * (lp - lq)))
 
 
-@pytest.mark.parametrize("taps", [(), (1,)], ids=["final-hidden", "tap1"])
+@pytest.mark.parametrize(
+    "taps", [pytest.param((), marks=_SLOW), (1,)], ids=["final-hidden", "tap1"]
+)
 def test_the_head_reads_the_targets_states_before_each_token(target, want, taps):
     """Round r's first drafted position is ``n - 1 -> n`` (``n`` tokens so far): the head
     read ``x_{n-1}`` with the target's states at ``n - 2``; its second read the first draft

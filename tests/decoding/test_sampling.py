@@ -56,7 +56,8 @@ def test_sampling_matches_target_distribution(small_pair, verify, temperature, t
 
 
 @pytest.mark.parametrize(
-    "verify, temperature, top_p", [("sample", 1.0, 1.0), ("tree:2x2+sample", 0.7, 0.8)]
+    "verify, temperature, top_p",
+    [("sample", 1.0, 1.0), pytest.param("tree:2x2+sample", 0.7, 0.8, marks=pytest.mark.slow)],
 )
 def test_sampling_with_an_eagle_head_matches_target_distribution(
     small_pair, verify, temperature, top_p

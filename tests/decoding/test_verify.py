@@ -118,6 +118,7 @@ def test_parse_verify_errors(bad):
         Vf.parse_verify(bad)
 
 
+@pytest.mark.slow
 def test_verification_of_bfloat16_logits_is_float32_arithmetic():
     """bf16 logits (a bf16 model's, or a bf16 dump) are verified in float32: the accepted
     sets, sampling distributions and certificates equal those of the same values in float32,
