@@ -23,6 +23,14 @@ if os.environ.get("JAXCERT_TEST_XLA_OPT") != "1":
     _flags = os.environ.get("XLA_FLAGS", "").split()
     os.environ["XLA_FLAGS"] = " ".join(_flags + [f for f in _CHEAP if f not in _flags])
 
+# XLA:CPU aborts the process when a collective's participants (one thread per simulated
+# device) do not all arrive within 40 s. On 2 loaded cores, 8 simulated devices can lag that
+# long behind each other (CI saw it once): the tests allow 15 minutes. Kept with
+# JAXCERT_TEST_XLA_OPT=1 too; inherited by the subprocesses.
+_TIMEOUT = "--xla_cpu_collective_call_terminate_timeout_seconds=900"
+if "collective_call_terminate_timeout" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _TIMEOUT).strip()
+
 # The CLI turns on JAX's persistent compilation cache: in tests, a fresh folder per session
 # (inherited by the subprocesses) instead of the user's cache.
 os.environ.setdefault("JAXCERT_COMPILE_CACHE", tempfile.mkdtemp(prefix="jaxcert-xla-"))
