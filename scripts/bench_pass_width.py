@@ -1,49 +1,58 @@
 """Seconds of one target forward pass by width (tokens scored at once) on a KV cache.
 
-The cost curve behind ``DecodeConfig``'s default verification buckets: padding a pass to
-the next bucket is cheap where the pass is memory-bound and costly where it is
-compute-bound. Loads the real model (float32), warms every width up once, then prints the
-median of 5 passes per width.
+The cost curve behind ``DecodeConfig``'s default verification buckets and the check of the
+``goodput`` policy's cost model: it times the passes with the same code as
+``jaxcert.decoding.costs.measure`` (compiled, warmed up, the median of ``--repeats`` runs),
+at any batch size, and with ``--drafter`` one drafter step too. Padding a pass to the next
+bucket is cheap where the pass is memory-bound and costly where it is compute-bound.
 
 Example::
 
-  python scripts/bench_pass_width.py --model qwen2.5-coder-1.5b-instruct
+  python scripts/bench_pass_width.py --model qwen2.5-coder-1.5b-instruct --rows 1,4,8 \
+      --drafter qwen2.5-coder-0.5b-instruct --json jaxcert-out/pass_width.json
 """
 
 from __future__ import annotations
 
 import argparse
-import time
+import json
+import pathlib
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from flax import nnx
-
-from jaxcert import models
+from jaxcert import decoding, models
+from jaxcert.decoding import costs
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
+    p.add_argument("--drafter", default=None, help="also time one step of this drafter")
     p.add_argument("--widths", default="1,2,3,4,5,6,8,10,12,16,20,24,32,40")
+    p.add_argument("--rows", default="1", help="batch sizes, comma-separated")
     p.add_argument("--context", type=int, default=200, help="tokens already in the cache")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--json", type=pathlib.Path, default=None, help="write the costs here")
     args = p.parse_args(argv)
     lm = models.load(args.model)
-    graphdef, state = nnx.split(lm.model)
-    step = jax.jit(models.forward, static_argnums=0)
-    for w in (int(x) for x in args.widths.split(",")):
-        cache = models.KVCache.create(lm.config, batch_size=1, max_length=args.context + 64)
-        cache = cache.commit(args.context)
-        tokens = jnp.ones((1, w), jnp.int32)
-        jax.block_until_ready(step(graphdef, state, tokens, cache))  # compile
-        times = []
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            jax.block_until_ready(step(graphdef, state, tokens, cache))
-            times.append(time.perf_counter() - t0)
-        print(f"width {w:3d}: {1000 * np.median(times):7.1f} ms", flush=True)
+    drafter = models.load(args.drafter) if args.drafter else None
+    widths = [int(x) for x in args.widths.split(",")]
+    config = decoding.DecodeConfig(max_draft=max(widths))
+    results = {}
+    for rows in (int(x) for x in args.rows.split(",")):
+        measured = costs.measure(
+            lm, drafter, rows=rows, config=config, context=args.context,
+            repeats=args.repeats, widths=widths, log=print,
+        )  # fmt: skip
+        one = measured.target_s[widths[0]]
+        print(
+            f"rows {rows}: "
+            + ", ".join(f"{w}: {measured.target_s[w] / one:.2f}" for w in widths)
+            + f" single-token steps; drafter step {measured.drafter_s / one:.2f}",
+            flush=True,
+        )
+        results[rows] = measured.to_json()
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=1))
     return 0
 
 

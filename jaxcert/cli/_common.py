@@ -57,8 +57,10 @@ def load_model(option: str, name_or_path, **kwargs):
 
 
 def load_drafter(name_or_path, target, **kwargs):
-    """The ``--drafter``: a language model (``models.load``) or a draft head folder
-    (``models.eagle.save_head``), checked against ``target`` (a ``models.LoadedModel``).
+    """The ``--drafter``: a language model (``models.load``), a draft head folder
+    (``models.eagle.save_head``), checked against ``target`` (a ``models.LoadedModel``), or
+    ``ngram:N[:MIN]`` (a :class:`jaxcert.decoding.NgramDrafter` of the target's vocabulary,
+    returned as the module itself).
 
     A head is returned as a ``models.LoadedModel`` with the target's tokenizer and the
     head's folder as its path (placed on ``kwargs["mesh"]`` when given).
@@ -68,8 +70,15 @@ def load_drafter(name_or_path, target, **kwargs):
         ``--drafter``).
     """
     from jaxcert import models
+    from jaxcert.decoding.ngram import parse_ngram
     from jaxcert.models import eagle
 
+    try:
+        ngram = parse_ngram(str(name_or_path))
+    except ValueError as err:
+        raise ValueError(f"--drafter: {err}") from None
+    if ngram is not None:
+        return ngram.for_vocabulary(target.config.vocab_size)
     if not eagle.is_head_folder(name_or_path):
         return load_model("--drafter", name_or_path, **kwargs)
     try:
@@ -99,8 +108,14 @@ def check_vocabularies(target, drafter) -> None:
         (prefixed with the option that named it).
     """
     from jaxcert import models
+    from jaxcert.decoding.ngram import parse_ngram
     from jaxcert.models import eagle
 
+    try:
+        if parse_ngram(str(drafter)) is not None:  # it takes the target's vocabulary
+            return
+    except ValueError as err:
+        raise ValueError(f"--drafter: {err}") from None
     configs = []
     for option, name_or_path in (("--target", target), ("--drafter", drafter)):
         try:
@@ -111,6 +126,15 @@ def check_vocabularies(target, drafter) -> None:
         except ValueError as err:
             raise ValueError(f"{option}: {err}") from None
     models.check_same_vocabulary(*configs)
+
+
+def describe_drafter(drafter) -> tuple[str, str]:
+    """``(name, what)`` of a loaded ``--drafter`` for logs and summaries: the folder or file
+    name and its layers, or ``ngram:N`` and ``prompt lookup``."""
+    spec = getattr(drafter, "spec", None)
+    if spec is not None and getattr(drafter, "proposes_tokens", False):
+        return spec, "prompt lookup"
+    return drafter.path.name, f"{drafter.config.num_layers} layers"
 
 
 def load_prompt_set(source: str, **kwargs):

@@ -18,6 +18,7 @@ from jaxcert.cli._common import (
     add_mesh_argument,
     add_prompt_arguments,
     check_vocabularies,
+    describe_drafter,
     load_drafter,
     load_model,
     load_prompt_set,
@@ -52,9 +53,10 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--drafter",
         default=DEFAULT_DRAFTER,
-        help="the same for the drafter, with the target's vocabulary, or a draft head's "
+        help="the same for the drafter, with the target's vocabulary; a draft head's "
         "folder (head.json + head.safetensors, written by jaxcert.models.eagle.save_head) "
-        "trained for the target (default %(default)s)",
+        "trained for the target; or ngram:N[:MIN], prompt lookup of the last N (at least "
+        "MIN) tokens in the prompt and output, no model (default %(default)s)",
     )
     add_prompt_arguments(p)
     p.add_argument(
@@ -62,8 +64,8 @@ def add_parser(sub) -> None:
         type=policy_arg,
         default="svip:0.3",
         help="draft-length policy: constant:K | heuristic | confidence[:TAU] | "
-        "svip[:H] | cert[:LAMBDA[:BETA]], optional /KMAX "
-        "(default %(default)s)",
+        "svip[:H] | cert[:LAMBDA[:BETA]] | goodput[:PRIOR[:BETA]] (cost-aware: measures "
+        "this machine's pass costs once, cached), optional /KMAX (default %(default)s)",
     )
     p.add_argument(
         "--verify",
@@ -200,9 +202,10 @@ def run(args) -> int:
     target, drafter, load_s = _load(args, mesh)
     config = dataclasses.replace(config, eos_ids=target.eos_ids)
     encoded = _encode(args, target, prompt_set)
+    d_name, d_what = describe_drafter(drafter)
     print(
         f"[jaxcert] target {target.path.name} ({target.config.num_layers} layers), drafter "
-        f"{drafter.path.name} ({drafter.config.num_layers} layers), V={target.config.vocab_size},"
+        f"{d_name} ({d_what}), V={target.config.vocab_size},"
         f" loaded in {load_s:.1f} s; {len(encoded)} prompts; policy {policy.spec}, verify "
         f"{config.verification.spec}, T={args.temperature}; mesh "
         f"{mesh_lib.describe(device_mesh)}",
@@ -302,9 +305,16 @@ def _decode(args, target, drafter, encoded, policy, config) -> dict:
             ))  # fmt: skip
             done += len(batch) * args.max_new_tokens  # rows that ended early count in full
             progress.advance(done)
+        costs = None
+        if isinstance(policy, decoding.Goodput):  # measured once per batch size, cached
+            costs = decoding.calibrate(
+                target, drafter, rows=len(batch),
+                config=decoding.resolved_config(config, target, drafter, policy),
+                log=lambda line: print(f"[jaxcert] {line}", file=sys.stderr),
+            )  # fmt: skip
         runs["speculative"].append(decoding.speculative_decode(
             target, drafter, batch, policy=policy, config=config, key=k2,
-            progress=advance_from(done), **common,
+            progress=advance_from(done), costs=costs, **common,
         ))  # fmt: skip
         progress.advance(done + len(batch) * args.max_new_tokens)
     progress.close()
@@ -316,7 +326,7 @@ def _meta(args, target, drafter, policy, config, device_mesh, load_s) -> dict:
     return {
         "command": " ".join(sys.argv),
         "target": str(target.path),
-        "drafter": str(drafter.path),
+        "drafter": str(getattr(drafter, "path", None) or describe_drafter(drafter)[0]),
         "prompts": args.prompts,
         "policy": policy.spec,
         "verify": config.verification.spec,

@@ -26,9 +26,12 @@ from flax import nnx
 from jaxcert import models
 from jaxcert.base.prompts import pad_prompts
 from jaxcert.base.validate import check_int
+from jaxcert.decoding import costs as costs_lib
 from jaxcert.decoding import loop
 from jaxcert.decoding import policies as policies_lib
 from jaxcert.decoding.config import DecodeConfig, Sizes, bucket, check_sampling
+from jaxcert.decoding.costs import PassCosts
+from jaxcert.decoding.ngram import NgramDrafter
 from jaxcert.decoding.programs import Programs, default_programs
 from jaxcert.decoding.protocols import DecoderModel, reads_target
 from jaxcert.decoding.state import RoundStats, Settings
@@ -37,6 +40,7 @@ from jaxcert.models import sharding as sharding_lib
 __all__ = [
     "DecodeOutput",
     "check_pair",
+    "resolved_config",
     "speculative_decode",
     "split_model",
     "target_decode",
@@ -193,6 +197,39 @@ def _with_head(config: DecodeConfig, target, drafter) -> DecodeConfig:
     return dataclasses.replace(config, head_taps=taps)
 
 
+def resolved_config(
+    config: DecodeConfig, target, drafter, policy: policies_lib.Policy
+) -> DecodeConfig:
+    """``config`` as :func:`speculative_decode` runs it with this pair and policy: the draft
+    head's taps, whether the drafter proposes one-hot tokens, and ``max_skip`` (``None``:
+    8 with :class:`~jaxcert.decoding.policies.Goodput`, else 0). Its verification widths
+    are the ones :func:`~jaxcert.decoding.costs.calibrate` should measure.
+
+    Raises:
+      ValueError: as :func:`speculative_decode` for a head the target cannot feed.
+    """
+    drafter = _bound(drafter, target)
+    config = _with_head(config, target, drafter)
+    proposes = bool(getattr(getattr(drafter, "model", drafter), "proposes_tokens", False))
+    goodput = isinstance(policy, policies_lib.Goodput)
+    skips = config.max_skip if config.max_skip is not None else (8 if goodput else 0)
+    return dataclasses.replace(config, proposes_tokens=proposes, max_skip=skips)
+
+
+def _bound(drafter, target):
+    """An :class:`~jaxcert.decoding.ngram.NgramDrafter` built without a vocabulary size
+    takes the target's; any other drafter is returned as it is."""
+    if isinstance(drafter, NgramDrafter) and drafter.config is None:
+        vocab_size = _vocab_size(target)
+        if vocab_size is None:
+            raise ValueError(
+                "NgramDrafter needs the target's vocabulary size: pass a target with a "
+                "config, or build it with NgramDrafter(n, vocab_size=V)"
+            )
+        return drafter.for_vocabulary(vocab_size)
+    return drafter
+
+
 def _prepare_prompts(prompts, prompt_width, minimum, vocab_size, models_, new_tokens, draft):
     """Validates the prompts and the context length; returns the (bucketed) prompt width.
 
@@ -251,12 +288,16 @@ def speculative_decode(
     mesh: jax.sharding.Mesh | None = None,
     on_compile: Callable[[str], None] | None = None,
     programs: Programs | None = None,
+    costs: PassCosts | None = None,
 ) -> DecodeOutput:
     """Speculative decoding of one batch of token prompts.
 
     Args:
       target, drafter: ``models.LoadedModel`` or ``nnx.Module`` (same vocabulary), or
         ``(graphdef, params)`` pairs; on one device or on a mesh (see the module docstring).
+        The drafter may be a draft head (:class:`jaxcert.models.EagleHead`) or an
+        :class:`~jaxcert.decoding.ngram.NgramDrafter` (one-hot proposals; it takes the
+        target's vocabulary size).
       prompts: ``B`` token-id sequences, each of length >= 2.
       policy: the draft-length policy (:func:`~jaxcert.decoding.policies.parse_policy`).
       config: a :class:`~jaxcert.decoding.config.DecodeConfig`.
@@ -270,6 +311,10 @@ def speculative_decode(
       programs: where compiled programs are kept and counted
         (:class:`~jaxcert.decoding.programs.Programs`; default: the process's,
         :func:`~jaxcert.decoding.programs.default_programs`).
+      costs: the pass costs the ``goodput`` policy weighs
+        (:class:`~jaxcert.decoding.costs.PassCosts` at this batch size); default: measured
+        on this machine once and cached (:func:`~jaxcert.decoding.costs.calibrate`).
+        Other policies ignore it.
 
     Returns:
       A :class:`DecodeOutput`.
@@ -279,8 +324,10 @@ def speculative_decode(
         ``max_new_tokens`` plus the draft depth longer than a model's context
         (``max_position_embeddings``); models on different meshes or an ``Explicit`` mesh.
     """
+    drafter = _bound(drafter, target)
     check_pair(target, drafter)
-    config = _with_head(config, target, drafter)
+    config = resolved_config(config, target, drafter, policy)
+    goodput = isinstance(policy, policies_lib.Goodput)
     vocab_size = _vocab_size(target)
     rows = len(prompts)
     width = _prepare_prompts(
@@ -297,7 +344,13 @@ def speculative_decode(
     settings = Settings.create(
         config.max_new_tokens, config.temperature, config.top_p, config.eos_ids
     )
-    policy_params = policies_lib.PolicyParams.from_policy(policy)
+    if goodput and costs is None:
+        costs = costs_lib.calibrate(target, drafter, rows=int(prompt.shape[0]), config=static)
+    round_costs = (
+        costs.round_costs(static) if goodput and costs is not None
+        else policies_lib.RoundCosts.unknown(static.depth)
+    )  # fmt: skip
+    policy_params = policies_lib.PolicyParams.from_policy(policy, round_costs)
     if isinstance(config.tree, loop.tree_lib.Chain) and policy.k_max > config.max_draft:
         policy_params = policy_params.replace(k_max=jnp.asarray(config.max_draft, jnp.int32))
     policy_params, key, settings = _replicated((policy_params, key, settings), placement)

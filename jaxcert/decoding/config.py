@@ -73,6 +73,14 @@ class DecodeConfig:
         target's states (:class:`~jaxcert.decoding.protocols.FeatureDrafter`), its ``taps``
         (``()``: the target's final-norm hidden states). :func:`speculative_decode` sets it
         from the drafter.
+      proposes_tokens: the drafter proposes tokens with a one-hot ``q``
+        (:class:`~jaxcert.decoding.ngram.NgramDrafter`): its per-node KL and certificates
+        are ``nan``, and the verification widths include 0 (no row drafted anything: a
+        plain target step). :func:`speculative_decode` sets it from the drafter.
+      max_skip: the most rounds in a row the ``goodput`` policy may run as plain target
+        steps without the drafter (the drafter then catches up in one wider re-read);
+        ``None``: 8 with ``goodput``, else 0 (set by :func:`speculative_decode`). With
+        ``max_skip > 0`` the verification widths include 0.
     """
 
     verification: Verification = Verification()
@@ -85,6 +93,8 @@ class DecodeConfig:
     buckets: tuple[int, ...] | None = None
     rounds_per_call: int = 8
     head_taps: tuple[int, ...] | None = None
+    proposes_tokens: bool = False
+    max_skip: int | None = None
 
     def __post_init__(self):
         if isinstance(self.verification, str):  # e.g. "tree:2x4+greedy"
@@ -94,6 +104,8 @@ class DecodeConfig:
         object.__setattr__(self, "eos_ids", Settings.check_eos_ids(self.eos_ids))
         for name in ("max_new_tokens", "max_draft", "rounds_per_call"):
             check_int(name, getattr(self, name))
+        if self.max_skip is not None:
+            check_int("max_skip", self.max_skip, low=0)
         check_sampling(self.temperature, self.top_p)
         if self.verification.sampling != (self.temperature > 0):
             raise ValueError(
@@ -103,9 +115,9 @@ class DecodeConfig:
             )
         if self.buckets is not None:
             b = tuple(self.buckets)
-            if not b or list(b) != sorted(set(b)) or b[0] < 1 or b[-1] != self.num_nodes:
+            if not b or list(b) != sorted(set(b)) or b[0] < 0 or b[-1] != self.num_nodes:
                 raise ValueError(
-                    f"buckets must increase from >= 1 to the node count {self.num_nodes}, got {b}"
+                    f"buckets must increase from >= 0 to the node count {self.num_nodes}, got {b}"
                 )
 
     def shape_only(self) -> DecodeConfig:
@@ -141,20 +153,34 @@ class DecodeConfig:
         return self.branching * self.depth
 
     @property
-    def reread(self) -> int:
-        """Tokens the drafter re-reads at the start of a round: the accepted path and the
+    def skips(self) -> int:
+        """``max_skip`` resolved (``None`` counts as 0)."""
+        return self.max_skip or 0
+
+    @property
+    def reread_base(self) -> int:
+        """Tokens the drafter re-reads after a round that drafted: the accepted path and the
         target's token (a chain's language-model drafter has read all but the last two)."""
         chain_lm = isinstance(self.tree, tree_lib.Chain) and self.head_taps is None
         return 2 if chain_lm else self.depth + 1
 
+    @property
+    def reread(self) -> int:
+        """The widest re-read: :attr:`reread_base` plus a token per skipped round."""
+        return self.reread_base + self.skips
+
     def verify_buckets(self) -> tuple[int, ...]:
+        """The verification widths in drafted nodes (the pass reads one more, the root);
+        ``0`` is a plain target step, a default only for a drafter that may propose nothing
+        (``proposes_tokens``) or a policy that may draft nothing (``max_skip > 0``)."""
         if self.buckets is not None:
             return tuple(self.buckets)
+        zero = (0,) if self.proposes_tokens or self.skips else ()
         if isinstance(self.tree, tree_lib.DynamicTree):
             n = self.num_nodes
-            return tuple(sorted({max(1, n // 4), max(1, n // 2), n}))
+            return zero + tuple(sorted({max(1, n // 4), max(1, n // 2), n}))
         levels = [x for x in _LEVEL_BUCKETS if x < self.depth] + [self.depth]
-        return tuple(self.branching * x for x in levels)
+        return zero + tuple(self.branching * x for x in levels)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,14 +30,15 @@ from jaxcert.models.transformer import forward as _forward
 __all__ = ["draft"]
 
 
-def _reread(graphdef, params, cache, tokens, start, length, width, m, context):
+def _reread(graphdef, params, cache, tokens, start, length, widths, m, context):
     """Step 0: rolls back to ``start``, reads ``s[start:length)``; root logits ``[B, V]`` and
     the last real position's hidden state ``[B, E]``.
 
-    When every row has one token to read (the usual case after a rejection) the pass is one
-    token wide instead of ``width``. Only the last real position goes through the lm-head
-    (the model's ``features`` and ``project``). A draft head reads each token with the
-    target's states before it (``context`` ``[B, width, C]``, fused by the head).
+    The pass takes the narrowest of the static ``widths`` that holds every row's tokens:
+    one token after a rejection, the usual re-read after a round that drafted, the widest
+    after rounds that skipped the drafter. Only the last real position goes through the
+    lm-head (the model's ``features`` and ``project``). A draft head reads each token with
+    the target's states before it (``context`` ``[B, width, C]``, fused by the head).
     """
     model = nnx.merge(graphdef, params)
     count = length - start
@@ -56,10 +57,12 @@ def _reread(graphdef, params, cache, tokens, start, length, width, m, context):
 
         return run
 
-    if width > 1:
-        last, cache = lax.cond(jnp.all(count == 1), read(1), read(width), cache)
+    if len(widths) > 1:
+        index = jnp.searchsorted(jnp.asarray(widths), jnp.max(count))
+        index = jnp.minimum(index, len(widths) - 1)
+        last, cache = lax.switch(index, [read(w) for w in widths], cache)
     else:
-        last, cache = read(1)(cache)
+        last, cache = read(widths[0])(cache)
     cache = cache.commit(count)
     return model.project(last), last, (cache.repeat(m) if m > 1 else cache)
 
@@ -75,22 +78,32 @@ def _step(graphdef, params, tokens, cache, context):
     return model.project(hidden[:, 0]), hidden[:, 0], cache
 
 
+def _log_q(q):
+    """``log softmax(q)`` with ``-inf`` (not ``nan``) where a row's logits are all ``-inf``
+    (a drafter that proposes nothing, :class:`~jaxcert.decoding.ngram.NgramDrafter`)."""
+    logq = jax.nn.log_softmax(q.astype(jnp.float32), axis=-1)
+    return jnp.where(jnp.isnan(logq), -jnp.inf, logq)
+
+
 def _first_children(key, q_root, m, sampling, temperature, top_p):
-    """Top-``m`` children of the root (``m`` draws without replacement when sampling)."""
-    logq = jax.nn.log_softmax(q_root.astype(jnp.float32), axis=-1)
+    """Top-``m`` children of the root (``m`` draws without replacement when sampling); a
+    child of probability 0 (a one-hot or empty ``q``) is not drafted."""
+    logq = _log_q(q_root)
     if sampling:
         lp = sampling_log_probs(q_root, temperature, top_p)
+        lp = jnp.where(jnp.isnan(lp), -jnp.inf, lp)
         _, tok = lax.top_k(lp + jax.random.gumbel(key, lp.shape), m)
         valid = jnp.isfinite(jnp.take_along_axis(lp, tok, axis=-1))
     else:
         _, tok = lax.top_k(logq, m)
-        valid = jnp.ones(tok.shape, bool)
+        valid = jnp.isfinite(jnp.take_along_axis(logq, tok, axis=-1))
     return tok.astype(jnp.int32), jnp.take_along_axis(logq, tok, axis=-1), valid
 
 
 def _next_token(key, q, sampling, temperature, top_p):
-    """One child per frontier node: ``q`` ``[B, M, V]`` -> tokens and raw log-probs ``[B, M]``."""
-    logq = jax.nn.log_softmax(q.astype(jnp.float32), axis=-1)
+    """One child per frontier node: ``q`` ``[B, M, V]`` -> tokens and raw log-probs ``[B, M]``
+    (``-inf``: no proposal)."""
+    logq = _log_q(q)
     if sampling:
         tok = jax.random.categorical(key, sampling_log_probs(q, temperature, top_p), axis=-1)
     else:
@@ -126,7 +139,7 @@ def _grow_static(key, q, frontier, go, nodes, depth, sampling, temperature, top_
     _, f_node, _, f_cum = frontier
     m = q.shape[1]
     c_tok, c_logq = _next_token(key, q, sampling, temperature, top_p)
-    new = {"tokens": c_tok, "valid": go, "cum": f_cum + c_logq}
+    new = {"tokens": c_tok, "valid": go & jnp.isfinite(c_logq), "cum": f_cum + c_logq}
     nodes = {k: lax.dynamic_update_slice_in_dim(nodes[k], new[k], depth * m, axis=1) for k in new}
     return nodes, (c_tok, f_node + m, go, new["cum"])
 
@@ -138,9 +151,9 @@ def _grow_dynamic(q, frontier, go, nodes, depth):
     """
     _, f_node, _, f_cum = frontier
     b, m, _ = q.shape
-    c_logq, c_tok = lax.top_k(jax.nn.log_softmax(q, axis=-1), m)  # [B, M, M]
+    c_logq, c_tok = lax.top_k(_log_q(q), m)  # [B, M, M]
     c_cum = f_cum[..., None] + c_logq
-    c_valid = jnp.broadcast_to(go[..., None], c_cum.shape)
+    c_valid = go[..., None] & jnp.isfinite(c_logq)
     at = m + (depth - 1) * m * m
     flat = lambda x: jnp.broadcast_to(x, c_cum.shape).reshape(b, m * m)  # noqa: E731
     updates = {
@@ -178,6 +191,7 @@ def draft(
     temperature: jax.typing.ArrayLike,
     top_p: jax.typing.ArrayLike,
     context: jax.Array | None = None,
+    base_width: int | None = None,
 ) -> tuple[DraftTree, Cache]:
     """Drafts one tree (or chain) per row.
 
@@ -190,7 +204,8 @@ def draft(
       policy, policy_state: the draft-length policy.
       key: PRNG key (sampling).
       shape: chain, static or dynamic tree; ``max_depth`` its depth ``K``.
-      width: the static re-read width (``DecodeConfig.reread``).
+      width: the static widest re-read (``DecodeConfig.reread``); ``base_width`` the
+        usual one (``DecodeConfig.reread_base``; ``None``: ``width``).
       sampling, temperature, top_p: draw instead of taking the drafter's top choices
         (temperature and top-p: scalars, traced).
       context: for a draft head, ``[B, width, C]`` the target's states before the re-read
@@ -203,18 +218,20 @@ def draft(
     dynamic = isinstance(shape, tree_lib.DynamicTree)
     b = tokens.shape[0]
     rows = jnp.arange(b)
+    widths = tuple(sorted({1, width if base_width is None else base_width, width}))
     q_root, h_root, cache = _reread(
-        graphdef, params, cache, tokens, start, length, width, m, context
+        graphdef, params, cache, tokens, start, length, widths, m, context
     )
     # A head reads each drafted token with its parent's hidden output ([B, M, E]).
     f_ctx = None if context is None else jnp.broadcast_to(h_root[:, None], (b, m, h_root.shape[-1]))
     key, sub = jax.random.split(key)
     tok, logq, valid = _first_children(sub, q_root, m, sampling, temperature, top_p)
+    feats = policies_lib.drafter_features(q_root)
+    valid = valid & policies_lib.draft_any(policy, policy_state, feats)  # goodput may not
     q_buf, nodes = _init_nodes(q_root, tok, logq, valid, shape, max_depth)
     one = jnp.ones((b,), jnp.int32)
-    feats = policies_lib.drafter_features(q_root)
     cont, survival = policies_lib.should_continue(
-        policy, policy_state, feats, one, jnp.ones((b,), jnp.float32)
+        policy, policy_state, feats, one, policies_lib.Survival.start(b), jnp.any(valid, -1)
     )
     frontier = (tok, jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32), (b, m)), valid, logq)
     seg_start = jnp.repeat(length, m)
@@ -250,7 +267,7 @@ def draft(
             )
         feats = policies_lib.drafter_features(q[rows, best])
         more, survival = policies_lib.should_continue(
-            policy, policy_state, feats, one * (depth + 1), survival
+            policy, policy_state, feats, one * (depth + 1), survival, jnp.any(frontier[2], -1)
         )
         cont = cont & more & (depth + 1 < limit)
         return depth + 1, cont, survival, frontier, parent_slot, f_ctx, nodes, q_buf, cache, key

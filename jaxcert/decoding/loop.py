@@ -28,7 +28,7 @@ from jaxcert.decoding import tree as tree_lib
 from jaxcert.decoding.config import DecodeConfig, Sizes
 from jaxcert.decoding.draft import draft
 from jaxcert.decoding.protocols import Cache, context_before
-from jaxcert.decoding.state import DecodeState, RoundStats, Settings
+from jaxcert.decoding.state import DecodeState, DraftTree, RoundStats, Settings
 from jaxcert.decoding.verify import in_accepted_set, sample_tree, sampling_log_probs
 from jaxcert.models.sharding import constrain
 from jaxcert.models.transformer import decode_step
@@ -213,12 +213,20 @@ def _verify(nb, operands, *, t_graphdef, config):
     else:
         st = tree_lib.static_structure(config.branching, config.depth)
         mask = jnp.broadcast_to(jnp.asarray(st.mask[: nb + 1, : nb + 1]), (b, nb + 1, nb + 1))
-    fwd_mask = None if isinstance(shape, tree_lib.Chain) else mask
+    fwd_mask = None if isinstance(shape, tree_lib.Chain) or nb == 0 else mask
     logits, cache, states = _target_pass(
         t_graphdef, t_params, toks, cache, config.head_taps,
         positions=positions, attention_mask=fwd_mask,
     )  # fmt: skip
-    if v.sampling:
+    if nb == 0:  # nothing drafted in any row: a plain target step
+        passes = on_path = jnp.zeros((b, 0), bool)
+        last = jnp.zeros((b,), jnp.int32)
+        if v.sampling:
+            lp = sampling_log_probs(logits[:, 0], settings.temperature, settings.top_p)
+            token = jax.random.categorical(key, lp, axis=-1).astype(jnp.int32)
+        else:
+            token = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+    elif v.sampling:
         children, expanded = _children(sub, nb + 1, config.branching)
         passes, last, token = sample_tree(
             key,
@@ -241,13 +249,18 @@ def _verify(nb, operands, *, t_graphdef, config):
         on_path, last, _ = tree_lib.accept_longest_path(passes, sub["depth"], mask)
         token = jnp.argmax(logits[rows, last], axis=-1).astype(jnp.int32)
     accepted = jnp.sum(on_path, axis=-1, dtype=jnp.int32)
-    offsets = tree_lib.path_offsets(on_path, sub["depth"], config.depth)
+    if nb == 0:
+        offsets = jnp.zeros((b, config.depth + 1), jnp.int32)
+    else:
+        offsets = tree_lib.path_offsets(on_path, sub["depth"], config.depth)
     # A head re-reads the accepted path and the target's token with the target's states at
     # the root and the path's nodes (the positions before them).
     path_states = None if states is None else jnp.take_along_axis(states, offsets[..., None], 1)
     path_tokens = jnp.take_along_axis(toks, offsets[:, 1:], axis=1)
     new = jnp.concatenate([path_tokens, jnp.zeros((b, 1), jnp.int32)], axis=1)
     new = new.at[rows, accepted].set(token)
+    if nb == 0:  # nothing drafted: no node statistics
+        return cache, accepted, new, offsets, path_states, stats_lib.no_nodes((b, big_n))
     ns = stats_lib.node_stats(
         logits,
         tree.q_logits,
@@ -261,11 +274,57 @@ def _verify(nb, operands, *, t_graphdef, config):
         rule=v.rule,
         max_children=config.branching,
         certify=config.collect_stats,
+        one_hot=config.proposes_tokens,
     )
     return cache, accepted, new, offsets, path_states, stats_lib.pad_nodes(ns, big_n)
 
 
 def _round(t_graphdef, t_params, d_graphdef, d_params, policy, state: DecodeState, config):
+    """One round: speculative, or (``goodput``, when it predicts a plain target step is
+    faster) a target step without the drafter."""
+    if config.skips == 0:
+        return _speculative_round(t_graphdef, t_params, d_graphdef, d_params, policy, state, config)
+    assert state.policy is not None
+    skip = policies_lib.should_skip(policy, state.policy, ~state.done, config.skips)
+    return lax.cond(
+        skip,
+        functools.partial(_plain_round, t_graphdef, t_params, policy, config=config),
+        functools.partial(
+            _speculative_round, t_graphdef, t_params, d_graphdef, d_params, policy,
+            config=config,
+        ),
+        state,
+    )  # fmt: skip
+
+
+def _plain_round(t_graphdef, t_params, policy, state: DecodeState, *, config):
+    """A target step inside the round loop: the drafter does not run (its cache and
+    re-read start stay; it catches up in its next re-read)."""
+    key, _, k_verify = jax.random.split(state.key, 3)
+    assert state.drafter_cache is not None and state.policy is not None
+    b, n = state.length.shape[0], config.num_nodes
+    zeros = jnp.zeros((b, n), jnp.int32)
+    tree = DraftTree(
+        tokens=zeros, parent=zeros, depth=zeros, rank=zeros,
+        valid=jnp.zeros((b, n), bool), q_index=zeros,
+        q_logits=jnp.zeros((b, 1, 1), jnp.float32),
+    )  # fmt: skip
+    operands = (
+        t_params,
+        state.target_cache,
+        tree,
+        state.tokens,
+        state.length,
+        k_verify,
+        state.settings,
+    )
+    verified = _verify(0, operands, t_graphdef=t_graphdef, config=config)
+    return _commit(state, config, policy, key, tree, state.drafter_cache, verified, skipped=True)
+
+
+def _speculative_round(
+    t_graphdef, t_params, d_graphdef, d_params, policy, state: DecodeState, config
+):
     key, k_draft, k_verify = jax.random.split(state.key, 3)
     active = ~state.done
     settings = state.settings
@@ -285,6 +344,7 @@ def _round(t_graphdef, t_params, d_graphdef, d_params, policy, state: DecodeStat
         shape=config.tree,
         max_depth=config.depth,
         width=config.reread,
+        base_width=config.reread_base,
         sampling=config.verification.sampling,
         temperature=settings.temperature,
         top_p=settings.top_p,
@@ -302,11 +362,13 @@ def _round(t_graphdef, t_params, d_graphdef, d_params, policy, state: DecodeStat
     return _commit(state, config, policy, key, tree, d_cache, verified)
 
 
-def _commit(state, config, policy, key, tree, d_cache, verified):
+def _commit(state, config, policy, key, tree, d_cache, verified, skipped=False):
     """Appends the accepted path and the target token; rolls caches to the kept path.
 
     ``verified`` is what :func:`_verify` returns: the target cache, accepted counts, new
-    tokens, accepted-path offsets and node statistics.
+    tokens, accepted-path offsets and node statistics. ``skipped``: the round ran without
+    the drafter (static), which then keeps its re-read start, and a head's context gains
+    the target's state before the new token.
     """
     t_cache, accepted, new, offsets, path_states, ns = verified
     active = ~state.done
@@ -329,18 +391,27 @@ def _commit(state, config, policy, key, tree, d_cache, verified):
     length = state.length + count
     finished = has_eos | (length - state.prompt_length >= settings.max_new_tokens)
     depth = jnp.max(jnp.where(tree.valid, tree.depth, 0), axis=-1)
-    if isinstance(config.tree, tree_lib.Chain) and config.head_taps is None:
-        # After a rejection the drafter already read every kept token but the target's.
-        start = jnp.where(accepted < depth, length - 1, length - 2)
-    else:
-        start = state.length  # re-read the accepted path and the target's token
-    start = jnp.where(active, start, state.drafter_start)
     context = state.drafter_context
-    if path_states is not None:
-        context = jnp.where(active[:, None, None], path_states, context)
-    policy_state = policies_lib.update_policy_state(
-        policy, state.policy, drafted=depth, accepted=accepted, active=active
-    )
+    if skipped:
+        start = state.drafter_start
+        if path_states is not None:  # the new token at `state.length` reads the root's state
+            at = jnp.where(active, state.length - start, context.shape[1])
+            context = context.at[rows, at].set(path_states[:, 0], mode="drop")
+        policy_state = policies_lib.skipped_round(state.policy)
+    else:
+        if isinstance(config.tree, tree_lib.Chain) and config.head_taps is None:
+            # After a rejection the drafter already read every kept token but the target's.
+            start = jnp.where(accepted < depth, length - 1, length - 2)
+        else:
+            start = state.length  # re-read the accepted path and the target's token
+        start = jnp.where(active, start, state.drafter_start)
+        if path_states is not None:
+            pad = context.shape[1] - path_states.shape[1]  # room for skipped rounds' states
+            path_states = jnp.pad(path_states, ((0, 0), (0, pad), (0, 0)))
+            context = jnp.where(active[:, None, None], path_states, context)
+        policy_state = policies_lib.update_policy_state(
+            policy, state.policy, drafted=depth, accepted=accepted, active=active
+        )
     new_state = state.replace(
         tokens=tokens,
         length=length,

@@ -22,7 +22,7 @@ from jaxcert.decoding import policies as policies_lib
 from jaxcert.decoding.state import NodeStats, RoundStats
 from jaxcert.losses import kl_divergence
 
-__all__ = ["node_stats", "pad_nodes", "empty_round_stats"]
+__all__ = ["node_stats", "pad_nodes", "no_nodes", "empty_round_stats"]
 
 
 def _gather_positions(x: jax.Array, index: jax.Array) -> jax.Array:
@@ -51,6 +51,7 @@ def node_stats(
     rule,
     max_children: int,
     certify: bool,
+    one_hot: bool = False,
 ) -> NodeStats:
     """Statistics of ``N`` drafted nodes verified against ``T = N + 1`` target positions.
 
@@ -62,6 +63,10 @@ def node_stats(
       rule: the single-token rule (``None``: sampling, no certificates).
       max_children: ``M``, the most children a node can have (static).
       certify: compute certificates (static; otherwise ``cert`` is ``nan``).
+      one_hot: the drafter proposes tokens, ``q`` is one-hot (static;
+        :class:`~jaxcert.decoding.ngram.NgramDrafter`): ``KL(p || q)`` is infinite and
+        ``KL < C_p`` means nothing, so ``kl``, ``cert``, ``cert_list`` and the drafter
+        features (``entropy``, ``q_top``, ``q_cert``) are ``nan``.
 
     Returns:
       A :class:`NodeStats` with ``[B, N]`` fields.
@@ -70,17 +75,21 @@ def node_stats(
     parent_pos = parent + 1
     p_par = _gather_positions(target_logits, parent_pos)  # [B, N, V]
     q_par = _gather_positions(q_logits, q_index)  # [B, N, V]
-    kl = kl_divergence(drafter_logits=q_par, target_logits=p_par)  # KL(p || q)
-    feats = policies_lib.drafter_features(q_par)
+    nan = jnp.full(parent.shape, jnp.nan, jnp.float32)
+    if one_hot:
+        kl = nan
+        feats = policies_lib.DrafterFeatures(top=nan, entropy=nan, cert=nan)
+    else:
+        kl = kl_divergence(drafter_logits=q_par, target_logits=p_par)  # KL(p || q)
+        feats = policies_lib.drafter_features(q_par)
     n_children = (
         jnp.zeros((b, t), jnp.int32)
         .at[jnp.arange(b)[:, None], parent_pos]
         .add(tokens_valid.astype(jnp.int32))
     )
     m_par = jnp.take_along_axis(n_children, parent_pos, axis=1)  # [B, N]
-    nan = jnp.full(kl.shape, jnp.nan, jnp.float32)
     cert = cert_list = nan
-    if certify and rule is not None:
+    if certify and rule is not None and not one_hot:
         base = None if isinstance(rule, rules_lib.StrictGreedy) else rule
         extra = tuple(rules_lib.TreeCoverage(m, base=base) for m in range(2, max_children + 1))
         values = [c.value for c in certificates(target_logits, (rule,) + extra)]  # [B, T] each
@@ -120,30 +129,36 @@ def pad_nodes(stats: NodeStats, n: int) -> NodeStats:
     return jax.tree.map(pad, stats)
 
 
+def no_nodes(shape: tuple[int, ...]) -> NodeStats:
+    """Statistics of ``shape`` node slots none of which was drafted (``False`` / 0 /
+    ``nan``)."""
+    zn = lambda dtype: jnp.zeros(shape, dtype)  # noqa: E731
+    f = jnp.full(shape, jnp.nan, jnp.float32)
+    return NodeStats(
+        valid=zn(bool),
+        depth=zn(jnp.int32),
+        rank=zn(jnp.int32),
+        passes=zn(bool),
+        accepted=zn(bool),
+        reached=zn(bool),
+        kl=f,
+        cert=f,
+        cert_list=f,
+        covered=zn(bool),
+        entropy=f,
+        q_top=f,
+        q_cert=f,
+    )
+
+
 def empty_round_stats(rounds: int, batch: int, nodes: int) -> RoundStats:
     """Buffers for ``rounds`` rounds (``active`` all ``False``)."""
     z = lambda dtype: jnp.zeros((rounds, batch), dtype)  # noqa: E731
-    zn = lambda dtype: jnp.zeros((rounds, batch, nodes), dtype)  # noqa: E731
-    f = jnp.full((rounds, batch, nodes), jnp.nan, jnp.float32)
     return RoundStats(
         active=z(bool),
         drafted=z(jnp.int32),
         depth=z(jnp.int32),
         accepted=z(jnp.int32),
         emitted=z(jnp.int32),
-        nodes=NodeStats(
-            valid=zn(bool),
-            depth=zn(jnp.int32),
-            rank=zn(jnp.int32),
-            passes=zn(bool),
-            accepted=zn(bool),
-            reached=zn(bool),
-            kl=f,
-            cert=f,
-            cert_list=f,
-            covered=zn(bool),
-            entropy=f,
-            q_top=f,
-            q_cert=f,
-        ),
+        nodes=no_nodes((rounds, batch, nodes)),
     )

@@ -21,6 +21,11 @@ Policies (``K`` drafted tokens so far, ``q`` the drafter distribution that produ
   as ``(C_q / log 2) ** beta`` and stop when the product over the round's tokens (the chance
   that the whole draft is accepted) falls below ``LAMBDA`` (default 0.55, ``beta`` 0.3).
 
+* ``goodput[:PRIOR[:BETA]]``: cost-aware (this package), see :class:`Goodput`: drafts the
+  depth that maximises the batch's expected emitted tokens per second under the measured
+  pass costs (:class:`RoundCosts`), drafting nothing, or skipping the drafter for a plain
+  target step, when that is faster (``docs/goodput.md``).
+
 Every dynamic policy also stops at ``k_max`` (default 40), and the decoder stops a row's draft
 where its token budget ends.
 """
@@ -45,18 +50,23 @@ __all__ = [
     "Confidence",
     "SVIP",
     "Certified",
+    "Goodput",
     "Policy",
+    "RoundCosts",
+    "Survival",
     "PolicyParams",
     "DrafterFeatures",
     "parse_policy",
     "drafter_features",
     "should_continue",
+    "draft_any",
+    "should_skip",
     "init_policy_state",
     "update_policy_state",
 ]
 
 DEFAULT_K_MAX = 40
-_KINDS = ("constant", "heuristic", "confidence", "svip", "cert")
+_KINDS = ("constant", "heuristic", "confidence", "svip", "cert", "goodput")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -183,7 +193,91 @@ class Certified:
         return f"cert:{self.lam:g}" if self.beta == 0.3 else f"cert:{self.lam:g}:{self.beta:g}"
 
 
-Policy = Constant | Heuristic | Confidence | SVIP | Certified
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Goodput:
+    """Cost-aware drafting: the draft depth that maximises expected emitted tokens per second.
+
+    With per-token acceptance estimates ``a`` and the measured cost of a round that drafts
+    ``d`` tokens, ``T(d)`` (:class:`RoundCosts`), a round of the batch emits
+    ``sum_b E_b(d)`` tokens in expectation, ``E_b(d) = 1 + sum_{k <= d} prod_{j <= k} a_bj``,
+    at ``sum_b E_b(d) / T(d)`` tokens per second. Before drafting, the policy compares that
+    rate (with each row's measured acceptance rate ``r_b`` for every ``a``) against a plain
+    target step without the drafter, and skips the drafter when the step is faster (at
+    most ``DecodeConfig.max_skip`` rounds in a row; then one round drafts, to measure
+    again). While drafting, it keeps going while some deeper draft, its future tokens
+    accepted at the last token's rate, has a higher rate than stopping now; drafting zero
+    tokens is one of its choices. A drafted token's estimate is
+    ``min((C_q / log 2) ** beta, r_b)``: the drafter's certificate (as ``cert``) capped by
+    the row's own history, which starts at ``prior``. Derivation: ``docs/goodput.md``.
+
+    Attributes:
+      prior: acceptance rate per token assumed before a row has drafted, in ``(0, 1)``.
+      beta: calibration exponent of the certificate estimate, ``> 0``.
+      memory: weight of the past in the running acceptance counts, in ``[0, 1)``.
+      k_max: cap on the draft length.
+    """
+
+    prior: float = 0.6
+    beta: float = 0.3
+    memory: float = 0.8
+    k_max: int = DEFAULT_K_MAX
+
+    def __post_init__(self):
+        check_probability("Goodput.prior", self.prior, closed_right=False)
+        check_float("Goodput.beta", self.beta, strict=True)
+        check_float("Goodput.memory", self.memory)
+        if self.memory >= 1.0:
+            raise ValueError(f"Goodput.memory must be in [0, 1), got {self.memory!r}")
+        check_int("Goodput.k_max", self.k_max)
+
+    @property
+    def spec(self) -> str:
+        if self.beta != 0.3:
+            return f"goodput:{self.prior:g}:{self.beta:g}"
+        return "goodput" if self.prior == 0.6 else f"goodput:{self.prior:g}"
+
+
+Policy = Constant | Heuristic | Confidence | SVIP | Certified | Goodput
+
+
+@struct.dataclass
+class RoundCosts:
+    """What a round costs, in seconds, by the depth it drafts (``goodput`` reads it).
+
+    Attributes:
+      round_s: ``[K + 1]`` float32; entry ``d`` is a speculative round that drafts ``d``
+        tokens: the drafter's re-read, ``d - 1`` more drafter steps and the verification
+        pass at the width the decoder would use (its bucket). Entry 0 drafts nothing.
+      skip_s: ``[]`` float32 a plain target step without the drafter.
+    """
+
+    round_s: jax.Array
+    skip_s: jax.Array
+
+    @classmethod
+    def unknown(cls, depth: int) -> RoundCosts:
+        """Zeros: for the policies that do not read costs (same shapes, same program)."""
+        return cls(round_s=jnp.zeros((depth + 1,), jnp.float32), skip_s=jnp.zeros((), jnp.float32))
+
+
+@struct.dataclass
+class Survival:
+    """The running quantities of one round's draft, per row.
+
+    Attributes:
+      prob: ``[B]`` float32 the estimated probability that every token drafted so far is
+        accepted (``cert`` and ``goodput``).
+      expected: ``[B]`` float32 expected emitted tokens if the draft stopped now
+        (``goodput``: ``1 + sum_k prob_k``).
+    """
+
+    prob: jax.Array
+    expected: jax.Array
+
+    @classmethod
+    def start(cls, batch: int) -> Survival:
+        """Before the first drafted token: probability 1, one token (the target's)."""
+        return cls(prob=jnp.ones((batch,), jnp.float32), expected=jnp.ones((batch,), jnp.float32))
 
 
 # The policy fields as the command-line grammar spells them.
@@ -194,14 +288,20 @@ _USER_NAMES = {
     "SVIP.h": "H",
     "Certified.lam": "LAMBDA",
     "Certified.beta": "BETA",
-    **{f"{cls}.k_max": "KMAX" for cls in ("Heuristic", "Confidence", "SVIP", "Certified")},
+    "Goodput.prior": "PRIOR",
+    "Goodput.beta": "BETA",
+    **{
+        f"{cls}.k_max": "KMAX"
+        for cls in ("Heuristic", "Confidence", "SVIP", "Certified", "Goodput")
+    },
 }
 
 
 def parse_policy(spec: str) -> Policy:
     """Parses a policy: ``constant:K``, ``heuristic[:K0]``, ``confidence[:TAU]``, ``svip[:H]``.
 
-    Also ``cert[:LAMBDA[:BETA]]`` (this package's certificate-aware policy).
+    Also ``cert[:LAMBDA[:BETA]]`` and ``goodput[:PRIOR[:BETA]]`` (this package's
+    certificate-aware and cost-aware policies).
 
     An optional ``/KMAX`` suffix sets the cap of a dynamic policy, e.g. ``svip:0.3/16``.
 
@@ -212,7 +312,7 @@ def parse_policy(spec: str) -> Policy:
     text, _, cap = text.partition("/")
     name, _, arg = text.partition(":")
     grammar = "constant:K | heuristic[:K0] | confidence[:TAU] | svip[:H] | cert[:LAMBDA[:BETA]]"
-    grammar += " [/KMAX]"
+    grammar += " | goodput[:PRIOR[:BETA]] [/KMAX]"
     if name not in _KINDS:
         raise ValueError(f"unknown policy {spec!r}; expected {grammar}")
     try:
@@ -224,10 +324,15 @@ def parse_policy(spec: str) -> Policy:
         if name == "heuristic":
             return Heuristic(k0=int(arg) if arg else 5, **extra)
         numbers = [float(x) for x in arg.split(":")] if arg else []
-        keys = {"confidence": ("tau",), "svip": ("h",), "cert": ("lam", "beta")}[name]
+        keys = {
+            "confidence": ("tau",),
+            "svip": ("h",),
+            "cert": ("lam", "beta"),
+            "goodput": ("prior", "beta"),
+        }[name]
         if len(numbers) > len(keys):
             raise ValueError(f"{name} takes at most {len(keys)} parameter(s)")
-        cls = {"confidence": Confidence, "svip": SVIP, "cert": Certified}[name]
+        cls = {"confidence": Confidence, "svip": SVIP, "cert": Certified, "goodput": Goodput}[name]
         return cls(**dict(zip(keys, numbers, strict=False)), **extra)
     except ValueError as err:
         message = in_user_words(err, _USER_NAMES)
@@ -239,10 +344,11 @@ class PolicyParams:
     """A policy lowered to scalars (traced, so one compilation serves every policy).
 
     Attributes:
-      kind: ``[]`` int32 index into ``constant, heuristic, confidence, svip, cert``.
+      kind: ``[]`` int32 index into ``constant, heuristic, confidence, svip, cert, goodput``.
       k: ``[]`` int32 constant ``K`` or heuristic ``K0``.
       k_max: ``[]`` int32 cap on the draft length.
-      tau, h, c, lam, beta: ``[]`` float32 parameters (unused ones are 0).
+      tau, h, c, lam, beta, prior, memory: ``[]`` float32 parameters (unused ones are 0).
+      costs: the :class:`RoundCosts` ``goodput`` weighs (zeros for the others).
     """
 
     kind: jax.Array
@@ -253,14 +359,19 @@ class PolicyParams:
     c: jax.Array
     lam: jax.Array
     beta: jax.Array
+    prior: jax.Array
+    memory: jax.Array
+    costs: RoundCosts
 
     if TYPE_CHECKING:  # struct.dataclass adds it at run time, out of mypy's sight
 
         def replace(self, **updates: Any) -> PolicyParams: ...
 
     @classmethod
-    def from_policy(cls, policy: Policy) -> PolicyParams:
-        values = dict(k=0, tau=0.0, h=0.0, c=0.0, lam=0.0, beta=0.0)
+    def from_policy(cls, policy: Policy, costs: RoundCosts | None = None) -> PolicyParams:
+        """The policy's scalars, with ``costs`` (default: unknown, one entry: set them with
+        ``replace(costs=...)`` before decoding with ``goodput``)."""
+        values = dict(k=0, tau=0.0, h=0.0, c=0.0, lam=0.0, beta=0.0, prior=0.0, memory=0.0)
         if isinstance(policy, Constant):
             kind, values["k"] = "constant", policy.k
         elif isinstance(policy, Heuristic):
@@ -271,6 +382,9 @@ class PolicyParams:
             kind, values["h"], values["c"] = "svip", policy.h, policy.c
         elif isinstance(policy, Certified):
             kind, values["lam"], values["beta"] = "cert", policy.lam, policy.beta
+        elif isinstance(policy, Goodput):
+            kind, values["beta"] = "goodput", policy.beta
+            values["prior"], values["memory"] = policy.prior, policy.memory
         else:
             raise ValueError(f"not a policy: {policy!r}")
         f32 = lambda v: jnp.asarray(v, jnp.float32)  # noqa: E731
@@ -278,7 +392,8 @@ class PolicyParams:
             kind=jnp.asarray(_KINDS.index(kind), jnp.int32),
             k=jnp.asarray(values["k"], jnp.int32),
             k_max=jnp.asarray(policy.k_max, jnp.int32),
-            **{n: f32(values[n]) for n in ("tau", "h", "c", "lam", "beta")},
+            **{n: f32(values[n]) for n in ("tau", "h", "c", "lam", "beta", "prior", "memory")},
+            costs=RoundCosts.unknown(0) if costs is None else costs,
         )
 
 
@@ -312,8 +427,87 @@ def drafter_features(q_logits: jax.Array) -> DrafterFeatures:
 
 
 def init_policy_state(params: PolicyParams, batch: int) -> PolicyState:
-    """The state of ``batch`` rows before their first round."""
-    return PolicyState(k=jnp.full((batch,), params.k, jnp.int32))
+    """The state of ``batch`` rows before their first round (``goodput``'s counts hold
+    one tested token accepted at the prior rate)."""
+    return PolicyState(
+        k=jnp.full((batch,), params.k, jnp.int32),
+        accepted=jnp.full((batch,), params.prior, jnp.float32),
+        tested=jnp.ones((batch,), jnp.float32),
+        skipped=jnp.zeros((batch,), jnp.int32),
+    )
+
+
+def _rate(state: PolicyState) -> jax.Array:
+    """``[B]`` the rows' running acceptance rate per tested token, in ``[0, 0.999]``."""
+    return jnp.clip(state.accepted / jnp.maximum(state.tested, 1e-6), 0.0, 0.999)
+
+
+def _best_deeper(costs: RoundCosts, expected, prob, a, drafted, k_max):
+    """The best tokens-per-second of a draft deeper than ``drafted``, and of stopping.
+
+    Row ``b`` stops with ``expected[b]`` tokens; drafting ``j`` more adds
+    ``prob[b] * (a + a^2 + ... + a^j)`` (each further token accepted with probability
+    ``a[b]``). Depth ``d`` costs ``costs.round_s[d]``. Every ``[B]``; returns two ``[]``.
+    """
+    depths = jnp.arange(costs.round_s.shape[0], dtype=jnp.int32)  # [K + 1]
+    j = jnp.maximum(depths - drafted, 0).astype(jnp.float32)  # further tokens
+    a = jnp.clip(a, 0.0, 0.999)[:, None]
+    geometric = a * (1.0 - a**j) / (1.0 - a)  # [B, K + 1], 0 at j = 0
+    total = jnp.sum(expected[:, None] + prob[:, None] * geometric, axis=0)  # [K + 1]
+    rate = total / jnp.maximum(costs.round_s, 1e-12)
+    deeper = (depths > drafted) & (depths <= k_max)
+    now = jnp.sum(expected) / jnp.maximum(costs.round_s[jnp.minimum(drafted, depths[-1])], 1e-12)
+    return jnp.max(jnp.where(deeper, rate, -jnp.inf)), now
+
+
+def draft_any(params: PolicyParams, state: PolicyState, features: DrafterFeatures) -> jax.Array:
+    """Whether the batch drafts at all this round (``[]`` bool), decided after the drafter's
+    first distribution: ``goodput`` may draft nothing (a plain verification of the root);
+    every other policy drafts at least one token.
+
+    Args:
+      params, state: the policy and its per-row state.
+      features: ``[B]`` features of the drafter's distribution of the first token.
+    """
+    a = _token_estimate(params, state, features)
+    one = jnp.ones_like(a)
+    deeper, now = _best_deeper(params.costs, one, one, a, jnp.asarray(0, jnp.int32), params.k_max)
+    return (params.kind != _KINDS.index("goodput")) | (deeper > now)
+
+
+def should_skip(params: PolicyParams, state: PolicyState, active: jax.Array, max_skip: int):
+    """Whether the batch skips the drafter this round: a plain target step (``[]`` bool).
+
+    Only ``goodput``, at most ``max_skip`` rounds in a row, and only when a plain step's
+    rate (``active`` rows per ``costs.skip_s``) is at least the best predicted rate of
+    drafting ``1..k_max`` tokens at each row's measured acceptance rate.
+
+    Args:
+      params, state: the policy and its per-row state.
+      active: ``[B]`` bool rows still decoding.
+      max_skip: static, ``DecodeConfig.max_skip``.
+    """
+    if max_skip == 0:
+        return jnp.asarray(False)
+    w = active.astype(jnp.float32)
+    r = _rate(state)
+    deeper, _ = _best_deeper(params.costs, w, w, r, jnp.asarray(0, jnp.int32), params.k_max)
+    plain = jnp.sum(w) / jnp.maximum(params.costs.skip_s, 1e-12)
+    return (
+        (params.kind == _KINDS.index("goodput"))
+        & (plain >= deeper)
+        & jnp.all(state.skipped < max_skip)
+        & jnp.any(active)
+    )
+
+
+def _token_estimate(params: PolicyParams, state: PolicyState, features: DrafterFeatures):
+    """``goodput``'s acceptance estimate of a drafted token: ``[B]``, the certificate
+    estimate ``(C_q / log 2) ** beta`` capped by the row's rate (a point-mass ``q``, as
+    prompt lookup drafts, has estimate 1: the rate decides)."""
+    ratio = jnp.clip(features.cert / jnp.log(2.0), 0.0, 1.0)
+    ratio = jnp.where(jnp.isnan(ratio), 0.0, ratio)
+    return jnp.minimum(ratio ** jnp.maximum(params.beta, 1e-6), _rate(state))
 
 
 def should_continue(
@@ -321,30 +515,41 @@ def should_continue(
     state: PolicyState,
     features: DrafterFeatures,
     drafted: jax.Array,
-    survival: jax.Array,
-) -> tuple[jax.Array, jax.Array]:
+    survival: Survival,
+    alive: jax.Array | None = None,
+) -> tuple[jax.Array, Survival]:
     """Whether each row drafts one more token.
 
     Args:
       params: the policy.
       state: the per-row policy state.
       features: features of the distribution that produced the just-drafted token.
-      drafted: ``[B]`` int32 tokens drafted so far this round (the depth).
-      survival: ``[B]`` float32 the round's running product for ``cert`` (1 at round start).
+      drafted: ``[B]`` int32 tokens drafted so far this round (the depth, equal in every
+        row).
+      survival: the round's running :class:`Survival` (``Survival.start`` at round start).
+      alive: ``[B]`` bool rows whose draft still has a token at this depth (``None``: all);
+        the others add nothing to ``goodput``'s expected tokens.
 
     Returns:
       ``(continue, survival)``: ``[B]`` bool, ``False`` once ``drafted >= k_max``, and the
-      updated product.
+      updated :class:`Survival`.
     """
     ratio = jnp.clip(features.cert / jnp.log(2.0), 0.0, 1.0)
-    survival = survival * jnp.where(params.beta > 0, ratio ** jnp.maximum(params.beta, 1e-6), 1)
+    goodput = params.kind == _KINDS.index("goodput")
+    a = jnp.where(goodput, _token_estimate(params, state, features), ratio**params.beta)
+    prob = survival.prob * jnp.where(params.beta > 0, a, 1)
+    if alive is not None:
+        prob = jnp.where(alive, prob, 0.0)
+    survival = Survival(prob=prob, expected=survival.expected + prob)
+    deeper, now = _best_deeper(params.costs, survival.expected, prob, a, drafted[0], params.k_max)
     decisions = jnp.stack(
         [
             drafted < params.k,
             drafted < state.k,
             features.top >= params.tau,
             jnp.sqrt(params.c * jnp.maximum(features.entropy, 0.0)) <= params.h,
-            survival >= params.lam,
+            survival.prob >= params.lam,
+            jnp.broadcast_to(deeper > now, drafted.shape),
         ]
     )  # [kinds, B]
     return decisions[params.kind] & (drafted < params.k_max), survival
@@ -358,7 +563,8 @@ def update_policy_state(
     accepted: jax.Array,
     active: jax.Array,
 ) -> PolicyState:
-    """The state after a round (the ``heuristic`` schedule).
+    """The state after a round that drafted (the ``heuristic`` schedule, ``goodput``'s
+    acceptance counts; its skip count returns to 0).
 
     Args:
       params: the policy.
@@ -369,4 +575,17 @@ def update_policy_state(
     """
     full = accepted >= drafted
     k = jnp.where(full, state.k + 2, jnp.maximum(state.k - 1, 1))
-    return PolicyState(k=jnp.where(active, jnp.minimum(k, params.k_max), state.k))
+    tested = jnp.minimum(drafted, accepted + 1).astype(jnp.float32)  # the first rejected too
+    keep = jnp.where(active & (drafted > 0), params.memory, 1.0)
+    fresh = 1.0 - keep
+    return PolicyState(
+        k=jnp.where(active, jnp.minimum(k, params.k_max), state.k),
+        accepted=keep * state.accepted + fresh * accepted.astype(jnp.float32),
+        tested=keep * state.tested + fresh * tested,
+        skipped=jnp.zeros_like(state.skipped),
+    )
+
+
+def skipped_round(state: PolicyState) -> PolicyState:
+    """The state after a round that skipped the drafter (a plain target step)."""
+    return state.replace(skipped=state.skipped + 1)

@@ -175,10 +175,9 @@ def summarize_run(stats: RoundStats | None, num_tokens: int, decode_s: float) ->
         "acceptance_by_depth": [  # None where no round drafted that deep (JSON has no NaN)
             None if np.isnan(x) else round(x, 4) for x in acceptance_by_depth(stats)
         ],
-        "mean_kl": round(float(np.mean(ns.kl[first])), 4) if first.any() else float("nan"),
-        "mean_drafter_entropy": round(float(np.mean(ns.entropy[first])), 4)
-        if first.any()
-        else float("nan"),
+        # None where no drafted node has one (a one-hot drafter: n-gram lookup).
+        "mean_kl": _finite_mean(ns.kl[first]),
+        "mean_drafter_entropy": _finite_mean(ns.entropy[first]),
     }
     if not np.all(np.isnan(ns.cert[valid])):
         rejected = first & ~ns.passes
@@ -187,6 +186,13 @@ def summarize_run(stats: RoundStats | None, num_tokens: int, decode_s: float) ->
             "certified_then_rejected": int(np.sum(certified & rejected)),
         }
     return out
+
+
+def _finite_mean(values) -> float | None:
+    """The mean of ``values`` rounded to 4 digits, ``None`` when it has no finite value."""
+    x = np.asarray(values, np.float64)
+    x = x[np.isfinite(x)]
+    return round(float(np.mean(x)), 4) if x.size else None
 
 
 def pad_batch(stats: RoundStats, batch: int) -> RoundStats:

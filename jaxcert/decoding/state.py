@@ -72,9 +72,17 @@ class PolicyState:
 
     Attributes:
       k: ``[B]`` int32 current draft length of the ``heuristic`` schedule.
+      accepted: ``[B]`` float32 ``goodput``'s running (exponentially weighted) count of
+        accepted drafted tokens; ``tested`` the same of drafted tokens the target tested
+        (a rejected one included). Their ratio is the row's acceptance rate per token.
+      skipped: ``[B]`` int32 rounds in a row that ``goodput`` ran as plain target steps
+        without the drafter (equal in every row: the choice is made for the batch).
     """
 
     k: jax.Array  # [B]
+    accepted: jax.Array  # [B]
+    tested: jax.Array  # [B]
+    skipped: jax.Array  # [B]
 
     if TYPE_CHECKING:  # struct.dataclass adds it at run time, out of mypy's sight
 

@@ -180,3 +180,29 @@ def test_decode_verify_errors_show_decodes_grammar(value, capsys):
     assert "tree:M |" not in err and "tree:M+" not in err and "tree:M[" not in err
     with pytest.raises(ValueError, match="expected \\[SHAPE\\+\\]RULE"):
         decoding.parse_verify(value)
+
+
+def test_decode_with_the_ngram_drafter(files, monkeypatch, capsys):
+    """``--drafter ngram:2``: no drafter weights; outputs equal the target's (greedy), the
+    summary names the drafter and reports no KL or certificates for its one-hot q."""
+    monkeypatch.setenv("JAXCERT_CACHE", str(files["root"] / "cache"))
+    out = files["root"] / "out-ngram"
+    argv = _argv(files, out, "--policy", "constant:3")
+    argv[argv.index("--drafter") + 1] = "ngram:2"
+    assert cli.main(argv) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["drafter"] == "ngram:2"
+    rows = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
+    assert rows and all(r["identical"] for r in rows)
+    assert summary["speculative"]["mean_kl"] is None  # no KL for a one-hot q
+    assert "prompt lookup" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("spec", ["ngram:0", "ngram:2:3", "ngram:x"])
+def test_decode_refuses_a_bad_ngram_drafter_before_loading(files, monkeypatch, capsys, spec):
+    _no_loading(monkeypatch)
+    argv = _argv(files, files["root"] / "out-bad-ngram")
+    argv[argv.index("--drafter") + 1] = spec
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--drafter" in err and "ngram" in err

@@ -181,21 +181,39 @@ def _kl(p_logits, q_logits):
     return float(np.sum(np.exp(lp) * (lp - lq)))
 
 
-@pytest.mark.parametrize(
-    "taps", [pytest.param((), marks=_SLOW), (1,)], ids=["final-hidden", "tap1"]
+# goodput with costs that make it skip the drafter (plain target steps), then draft: the
+# head catches up in one wide re-read, each skipped token with the state the target handed
+# over in its step.
+_SKIPPING = (
+    decoding.Goodput(beta=0.01),
+    decoding.PassCosts(rows=3, target_s={1: 1.0, 2: 1.2, 8: 2.0}, drafter_s=0.5),
 )
-def test_the_head_reads_the_targets_states_before_each_token(target, want, taps):
+
+
+@pytest.mark.parametrize(
+    "taps, skipping",
+    [pytest.param((), False, marks=_SLOW), ((1,), False), ((1,), True)],
+    ids=["final-hidden", "tap1", "tap1-after-skipped-rounds"],
+)
+def test_the_head_reads_the_targets_states_before_each_token(target, want, taps, skipping):
     """Round r's first drafted position is ``n - 1 -> n`` (``n`` tokens so far): the head
     read ``x_{n-1}`` with the target's states at ``n - 2``; its second read the first draft
     with its own hidden output at the root. The recorded KLs (``KL(p || q)``) equal the
     offline ones."""
     head = ContextHead(taps, seed=3)
+    policy, costs = _SKIPPING if skipping else (decoding.Constant(k=3), None)
+    config = _config("greedy", max_skip=2 if skipping else None)
     out = decoding.speculative_decode(
-        target, head, PROMPTS, config=_config("greedy"), policy=decoding.Constant(k=3)
+        target, head, PROMPTS, config=config, policy=policy, costs=costs
     )
+    for got, w in zip(out.tokens, want, strict=True):
+        np.testing.assert_array_equal(got, w)
+    if skipping:  # rounds without the drafter, and drafting rounds after them
+        drafted = out.stats.drafted[out.stats.active]
+        assert np.any(drafted == 0) and np.any(drafted > 0)
     s = out.stats
     a, w_fuse, w_out = (np.asarray(x[...], np.float64) for x in (head.a, head.w_fuse, head.w_out))
-    checked = 0
+    checked = after_skip = 0
     for b, prompt in enumerate(PROMPTS):
         seq = list(prompt) + list(out.tokens[b])
         p_logits, states = _teacher_forced(target, seq, taps)
@@ -204,6 +222,10 @@ def test_the_head_reads_the_targets_states_before_each_token(target, want, taps)
         for r in range(s.active.shape[0]):
             if not s.active[r, b]:
                 continue
+            if not s.nodes.valid[r, b, 0]:  # nothing drafted (a plain target step)
+                n += int(s.emitted[r, b])
+                continue
+            after_skip += bool(r > 0 and s.drafted[r - 1, b] == 0)
             h_root = np.tanh(a[seq[n - 1]] + states[n - 2] @ w_fuse)
             np.testing.assert_allclose(
                 s.nodes.kl[r, b, 0], _kl(p_logits[n - 1], h_root @ w_out), rtol=1e-4, atol=1e-4
@@ -217,7 +239,7 @@ def test_the_head_reads_the_targets_states_before_each_token(target, want, taps)
                 )
                 checked += 1
             n += int(s.emitted[r, b])
-    assert checked > 0
+    assert after_skip > 0 if skipping else checked > 0
 
 
 def test_a_head_fusing_a_block_the_target_lacks_is_named(target):

@@ -27,7 +27,8 @@ def _decide(policy, q_logits, drafted, state=None, survival=None):
     state = state or P.init_policy_state(params, b)
     feats = P.drafter_features(q_logits)
     drafted = jnp.full((b,), drafted, jnp.int32)
-    survival = jnp.ones((b,)) if survival is None else jnp.asarray(survival, jnp.float32)
+    prob = jnp.ones((b,)) if survival is None else jnp.asarray(survival, jnp.float32)
+    survival = P.Survival(prob=prob, expected=jnp.ones((b,)))
     cont, _ = jax.jit(P.should_continue)(params, state, feats, drafted, survival)
     return np.asarray(cont)
 
@@ -113,9 +114,11 @@ def test_certified_multiplies_certificate_ratios():
     assert not _decide(P.Certified(lam=0.5), q, 2, survival=[1.0, 1.0, 0.7])[2]
     params = P.PolicyParams.from_policy(P.Certified(lam=0.5))
     feats = P.drafter_features(q)
-    ones = jnp.ones(3)
-    _, survival = P.should_continue(params, P.init_policy_state(params, 3), feats, ones, ones)
-    np.testing.assert_allclose(survival, a, rtol=1e-5)
+    ones = jnp.ones(3, jnp.int32)
+    state = P.init_policy_state(params, 3)
+    _, survival = P.should_continue(params, state, feats, ones, P.Survival.start(3))
+    np.testing.assert_allclose(survival.prob, a, rtol=1e-5)
+    np.testing.assert_allclose(survival.expected, 1 + a, rtol=1e-5)
 
 
 def test_heuristic_schedule():

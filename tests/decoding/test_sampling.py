@@ -24,17 +24,15 @@ def small_pair():
     return target, drafter
 
 
-def _exact_joint(target, temperature, top_p):
-    """P(x1, x2) of target-only sampling after PROMPT: ``[V, V]``."""
-    from flax import nnx
-
+def _exact_joint(target, temperature, top_p, prompt=PROMPT):
+    """P(x1, x2) of target-only sampling after ``prompt``: ``[V, V]``."""
     graph, params = nnx.split(target)
     v = SMALL.vocab_size
-    seqs = jnp.asarray([PROMPT + [x] for x in range(v)], jnp.int32)
-    logits, _ = forward(graph, params, seqs, KVCache.create(SMALL, v, 8))
+    seqs = jnp.asarray([prompt + [x] for x in range(v)], jnp.int32)
+    logits, _ = forward(graph, params, seqs, KVCache.create(SMALL, v, len(prompt) + 2))
     lp = sampling_log_probs(logits, temperature, top_p)
-    p1 = np.exp(np.asarray(lp[0, len(PROMPT) - 1], np.float64))
-    p2 = np.exp(np.asarray(lp[:, len(PROMPT)], np.float64))
+    p1 = np.exp(np.asarray(lp[0, len(prompt) - 1], np.float64))
+    p2 = np.exp(np.asarray(lp[:, len(prompt)], np.float64))
     return p1[:, None] * p2
 
 
@@ -69,7 +67,16 @@ def test_sampling_with_an_eagle_head_matches_target_distribution(
     _check_sampling(target, head, verify, temperature, top_p)
 
 
-def _check_sampling(target, drafter, verify, temperature, top_p):
+@pytest.mark.parametrize("verify", ["sample", "tree:2x2+sample"])
+def test_sampling_with_the_ngram_drafter_matches_target_distribution(small_pair, verify):
+    """A one-hot q (prompt lookup): accepted with probability p(x), resampled from
+    norm((p - q)+) on rejection. The prompt repeats itself, so most rounds propose."""
+    target, _ = small_pair
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    _check_sampling(target, decoding.NgramDrafter(2), verify, 1.0, 1.0, prompt=prompt)
+
+
+def _check_sampling(target, drafter, verify, temperature, top_p, prompt=PROMPT):
     config = decoding.DecodeConfig(
         verification=decoding.parse_verify(verify),
         max_new_tokens=3,
@@ -80,7 +87,7 @@ def _check_sampling(target, drafter, verify, temperature, top_p):
     out = decoding.speculative_decode(
         target,
         drafter,
-        [PROMPT] * ROWS,
+        [prompt] * ROWS,
         policy=decoding.Constant(k=2),
         config=config,
         key=jax.random.key(42),
@@ -88,14 +95,16 @@ def _check_sampling(target, drafter, verify, temperature, top_p):
     first_two = np.array([t[:2] for t in out.tokens])
     observed = np.zeros((8, 8))
     np.add.at(observed, (first_two[:, 0], first_two[:, 1]), 1)
-    expected = _exact_joint(target, temperature, top_p) * ROWS
+    expected = _exact_joint(target, temperature, top_p, prompt) * ROWS
     assert observed[expected == 0].sum() == 0  # never outside the nucleus
     assert _chi_square(observed.ravel(), expected.ravel()) > 1e-3
     # Both paths of the rejection sampler were exercised.
     accepted = out.stats.accepted[out.stats.active]
     assert 0 < accepted.mean() < 2
-    ns = out.stats.nodes  # no certificate for sampling; KL is always measured
-    assert np.all(np.isnan(ns.cert)) and np.all(np.isfinite(ns.kl[ns.valid]))
+    ns = out.stats.nodes  # no certificate for sampling; KL is measured unless q is one-hot
+    assert np.all(np.isnan(ns.cert))
+    one_hot = isinstance(drafter, decoding.NgramDrafter)
+    assert np.all(np.isnan(ns.kl) if one_hot else np.isfinite(ns.kl[ns.valid]))
 
 
 def test_target_only_sampling_matches_too(small_pair):

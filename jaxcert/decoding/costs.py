@@ -1,0 +1,266 @@
+"""What a pass costs on this machine: the cost model of the ``goodput`` policy.
+
+A speculative round that drafts ``d`` tokens costs the drafter's re-read, ``d - 1`` more
+drafter steps and one target pass over the root and the drafted nodes, at the verification
+width the decoder uses (the node count's bucket, :meth:`DecodeConfig.verify_buckets`). A
+plain target step costs a one-token target pass. :class:`PassCosts` holds measured seconds
+of those passes at one batch size; :func:`measure` times them (compiled, warmed up, the
+median of a few runs), :func:`calibrate` keeps the result in the cache (``costs/`` under
+:func:`jaxcert.base.paths.cache_dir`, keyed by machine, model pair, dtype, batch rows and
+widths), and :meth:`PassCosts.round_costs` lowers it to the traced
+:class:`~jaxcert.decoding.policies.RoundCosts` a decoder reads. ``scripts/bench_pass_width.py``
+prints the same measurements.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+import platform
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxcert.base.paths import cache_dir
+from jaxcert.decoding import tree as tree_lib
+from jaxcert.decoding.config import DecodeConfig
+from jaxcert.decoding.policies import RoundCosts
+from jaxcert.decoding.protocols import reads_target
+
+__all__ = ["PassCosts", "measure", "calibrate", "nodes_at_depth", "FORMAT"]
+
+FORMAT = 1  # version of the cached JSON
+
+
+@dataclasses.dataclass(frozen=True)
+class PassCosts:
+    """Seconds of one pass, by the number of positions it reads, at ``rows`` batch rows.
+
+    Attributes:
+      rows: batch rows ``B``.
+      target_s: ``{width: seconds}`` of a target pass reading ``width`` positions per row.
+      drafter_s: seconds of one drafter step (one token for each of ``B * M`` rows); ``0``
+        for a drafter without a forward pass of its own worth timing.
+    """
+
+    rows: int
+    target_s: dict[int, float]
+    drafter_s: float
+
+    def target(self, width: int) -> float:
+        """Seconds of a target pass of ``width`` positions (linear between measured widths).
+
+        Raises:
+          ValueError: nothing measured.
+        """
+        if not self.target_s:
+            raise ValueError("PassCosts has no target measurement")
+        widths = sorted(self.target_s)
+        return float(np.interp(width, widths, [self.target_s[w] for w in widths]))
+
+    def round_costs(self, config: DecodeConfig) -> RoundCosts:
+        """The ``[K + 1]`` seconds of a round by drafted depth, and of a plain step.
+
+        Entry ``d``: the re-read and ``d - 1`` drafter steps (``d`` steps' worth, the re-read
+        usually reads one token), plus the verification pass at the bucket that holds
+        :func:`nodes_at_depth` nodes. Entry 0 drafts nothing: re-read plus the narrowest
+        verification width.
+        """
+        buckets = config.verify_buckets()
+        rounds = []
+        for d, nodes in enumerate(nodes_at_depth(config)):
+            nb = next(b for b in buckets if b >= nodes) if nodes <= buckets[-1] else buckets[-1]
+            rounds.append(max(d, 1) * self.drafter_s + self.target(nb + 1))
+        return RoundCosts(
+            round_s=jnp.asarray(rounds, jnp.float32),
+            skip_s=jnp.asarray(self.target(1), jnp.float32),
+        )
+
+    def to_json(self) -> dict:
+        return {
+            "format": FORMAT,
+            "rows": self.rows,
+            "target_s": {str(k): v for k, v in sorted(self.target_s.items())},
+            "drafter_s": self.drafter_s,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> PassCosts:
+        """Raises ``ValueError`` for another format version or missing fields."""
+        if data.get("format") != FORMAT:
+            raise ValueError(f"pass costs of format {data.get('format')!r}, expected {FORMAT}")
+        try:
+            target = {int(k): float(v) for k, v in data["target_s"].items()}
+            return cls(rows=int(data["rows"]), target_s=target, drafter_s=float(data["drafter_s"]))
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"malformed pass costs: {err}") from None
+
+
+def nodes_at_depth(config: DecodeConfig) -> list[int]:
+    """Drafted nodes of a round that drafts to depth ``d``, for ``d = 0..K``: ``d`` (chain),
+    ``M d`` (static tree), ``min(N, M + (d - 1) M^2)`` (dynamic tree: every frontier node's
+    top-``M`` children compete for ``N`` slots)."""
+    shape, k = config.tree, config.depth
+    if isinstance(shape, tree_lib.Chain):
+        return list(range(k + 1))
+    m = shape.m
+    if isinstance(shape, tree_lib.DynamicTree):
+        return [0] + [min(shape.nodes, m + (d - 1) * m * m) for d in range(1, k + 1)]
+    return [m * d for d in range(k + 1)]
+
+
+def _median_s(fn, *args, repeats: int) -> float:
+    jax.block_until_ready(fn(*args))  # compile and warm up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def _module(model):
+    return getattr(model, "model", model)
+
+
+def measure(
+    target,
+    drafter=None,
+    *,
+    rows: int,
+    config: DecodeConfig,
+    context: int = 256,
+    repeats: int = 3,
+    widths: list[int] | None = None,
+    log=None,
+) -> PassCosts:
+    """Times the passes of a round on this machine.
+
+    The target reads each verification width (buckets + 1, and 1) on a cache holding
+    ``context`` tokens per row; the drafter reads one token on ``rows * M`` rows.
+
+    Args:
+      target, drafter: ``models.LoadedModel`` or modules (as for ``speculative_decode``);
+        ``drafter=None`` measures the target only (``drafter_s`` is 0).
+      rows: batch rows ``B``.
+      config: the decoder's config (its buckets and branching).
+      context: tokens already in the caches.
+      repeats: timed runs per pass (the median is kept).
+      widths: target widths to time instead of the config's.
+      log: called with a line per measured pass (e.g. ``print``).
+    """
+    t_model = _module(target)
+    d_model = None if drafter is None else _module(drafter)
+    if widths is None:
+        widths = sorted({1} | {b + 1 for b in config.verify_buckets()})
+    slots = context + max(config.num_nodes, max(widths)) + 2
+    t_graph, t_params = nnx.split(t_model)
+
+    @jax.jit
+    def t_pass(params, tokens, cache):
+        return nnx.merge(t_graph, params)(tokens, cache)[0]
+
+    target_s = {}
+    for width in widths:
+        cache = t_model.init_cache(rows, slots).commit(context)
+        tokens = jnp.ones((rows, width), jnp.int32)
+        target_s[width] = _median_s(t_pass, t_params, tokens, cache, repeats=repeats)
+        if log is not None:
+            log(f"target, {rows} rows x {width:3d} positions: {1000 * target_s[width]:8.1f} ms")
+    d_rows = rows * config.branching
+    if d_model is None or getattr(d_model, "proposes_tokens", False):
+        drafter_s = 0.0  # a lookup: integer compares, no weights (measured as negligible)
+    else:
+        d_graph, d_params = nnx.split(d_model)
+        cache = d_model.init_cache(d_rows, slots).commit(context)
+        tokens = jnp.ones((d_rows, 1), jnp.int32)
+        if reads_target(d_model):
+            width = d_model.config.hidden_size
+
+            @jax.jit
+            def d_pass(params, tokens, cache):
+                head = nnx.merge(d_graph, params)
+                ctx = jnp.zeros(tokens.shape + (width,), jnp.float32)
+                hidden, _ = head.features(tokens, cache, context=ctx)
+                return head.project(hidden)
+
+        else:
+
+            @jax.jit
+            def d_pass(params, tokens, cache):
+                return nnx.merge(d_graph, params)(tokens, cache)[0]
+
+        drafter_s = _median_s(d_pass, d_params, tokens, cache, repeats=repeats)
+        if log is not None:
+            log(f"drafter, {d_rows} rows x 1 position: {1000 * drafter_s:8.1f} ms")
+    return PassCosts(rows=rows, target_s=target_s, drafter_s=drafter_s)
+
+
+def _describe(model) -> dict:
+    """What identifies a model's cost: its kind, config and parameter dtypes."""
+    module = _module(model)
+    config = getattr(module, "config", None)
+    fields: object = repr(config)
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        fields = dataclasses.asdict(config)
+    dtypes = sorted({str(x.dtype) for x in jax.tree.leaves(nnx.state(module))})
+    return {"kind": type(module).__name__, "config": fields, "dtypes": dtypes}
+
+
+def _key(target, drafter, rows: int, config: DecodeConfig, context: int) -> str:
+    device = jax.devices()[0]
+    fields = {
+        "format": FORMAT,
+        "machine": [platform.node(), platform.machine(), os.cpu_count()],
+        "device": [device.platform, device.device_kind, jax.device_count()],
+        "target": _describe(target),
+        "drafter": _describe(drafter),
+        "rows": rows,
+        "branching": config.branching,
+        "widths": sorted({1} | {b + 1 for b in config.verify_buckets()}),
+        "context": context,
+    }
+    text = json.dumps(fields, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def calibrate(
+    target,
+    drafter,
+    *,
+    rows: int,
+    config: DecodeConfig,
+    context: int = 256,
+    repeats: int = 3,
+    folder: str | os.PathLike | None = None,
+    log=None,
+) -> PassCosts:
+    """:func:`measure`, kept in ``folder`` (default ``cache_dir() / "costs"``): a second call
+    for the same machine, models, dtype, rows and widths reads the file instead.
+
+    Args:
+      target, drafter, rows, config, context, repeats: as for :func:`measure`.
+      folder: where the JSON files go.
+      log: called with one line when it measures (e.g. ``print``).
+    """
+    root = pathlib.Path(folder) if folder is not None else cache_dir() / "costs"
+    path = root / f"{_key(target, drafter, rows, config, context)}.json"
+    if path.is_file():
+        try:
+            return PassCosts.from_json(json.loads(path.read_text()))
+        except (ValueError, json.JSONDecodeError):
+            pass  # a stale or broken file: measure again and replace it
+    if log is not None:
+        log(f"measuring pass costs ({rows} rows); kept in {path}")
+    costs = measure(target, drafter, rows=rows, config=config, context=context, repeats=repeats)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(costs.to_json(), indent=1))
+    tmp.replace(path)
+    return costs

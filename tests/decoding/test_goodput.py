@@ -1,0 +1,233 @@
+"""The cost-aware ``goodput`` policy: its objective against a brute-force NumPy search, its
+skip / draft-nothing choices, exact greedy decoding with them on every shape (language-model
+drafter, draft head, n-gram lookup), one program for every goodput parameter and cost, and
+the cost model's calibration file."""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tiny_decoding import CONFIG, MAX_NEW, PROMPTS, WIDTH, random_model
+
+from jaxcert import decoding
+from jaxcert.decoding import costs as costs_lib
+from jaxcert.decoding import policies as P
+from jaxcert.decoding.costs import PassCosts
+
+# Verification as dear as drafting buys: a plain step (1 s) beats drafting at the prior
+# rate, but once a probe round has paid the re-read, drafting pays (see _mixed_choices).
+MIXED = PassCosts(rows=3, target_s={1: 1.0, 2: 1.2, 8: 2.0}, drafter_s=0.5)
+CHEAP = PassCosts(rows=3, target_s={1: 1.0, 8: 1.05}, drafter_s=0.01)
+DEAR = PassCosts(rows=3, target_s={1: 1.0, 2: 3.0, 8: 20.0}, drafter_s=0.5)
+
+
+def _brute_force(round_s, expected, prob, a, drafted, k_max):
+    """Best rate of a deeper draft and of stopping, by enumeration (float64)."""
+    best = -np.inf
+    for d in range(drafted + 1, min(k_max, len(round_s) - 1) + 1):
+        total = sum(
+            e + p * sum(x**j for j in range(1, d - drafted + 1))
+            for e, p, x in zip(expected, prob, a, strict=True)
+        )
+        best = max(best, total / round_s[d])
+    return best, sum(expected) / round_s[drafted]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_lookahead_equals_a_brute_force_search(seed):
+    rng = np.random.default_rng(seed)
+    k = int(rng.integers(2, 9))
+    round_s = np.cumsum(rng.uniform(0.1, 2.0, size=k + 1))  # costs grow with depth
+    expected = rng.uniform(1, 3, size=4)
+    prob = rng.uniform(0, 1, size=4)
+    a = rng.uniform(0, 0.99, size=4)
+    drafted, k_max = int(rng.integers(0, k)), int(rng.integers(1, k + 2))
+    costs = P.RoundCosts(round_s=jnp.asarray(round_s, jnp.float32), skip_s=jnp.asarray(1.0))
+    got = P._best_deeper(
+        costs, jnp.asarray(expected, jnp.float32), jnp.asarray(prob, jnp.float32),
+        jnp.asarray(a, jnp.float32), jnp.asarray(drafted), jnp.asarray(k_max),
+    )  # fmt: skip
+    want = _brute_force(round_s, expected, prob, a, drafted, k_max)
+    np.testing.assert_allclose([float(x) for x in got], want, rtol=1e-5)
+
+
+def _params(costs, config, **kw):
+    return P.PolicyParams.from_policy(P.Goodput(**kw), costs.round_costs(config))
+
+
+def test_skip_draft_nothing_and_continue_choices():
+    config = decoding.DecodeConfig(verification="greedy", max_draft=6, max_skip=2)
+    active = jnp.ones((3,), bool)
+    for costs, skip in ((DEAR, True), (CHEAP, False), (MIXED, True)):
+        params = _params(costs, config)
+        state = P.init_policy_state(params, 3)
+        assert bool(P.should_skip(params, state, active, 2)) == skip
+        # Never more than max_skip rounds in a row, never for other policies.
+        assert not P.should_skip(params, state.replace(skipped=jnp.full((3,), 2)), active, 2)
+        assert not P.should_skip(params, state, active, 0)
+    other = P.PolicyParams.from_policy(P.Constant(k=3), DEAR.round_costs(config))
+    assert not P.should_skip(other, P.init_policy_state(other, 3), active, 2)
+    # After the re-read, MIXED makes drafting pay at the prior rate, DEAR does not.
+    point_mass = P.drafter_features(jnp.log(jnp.asarray([[0.999, 0.001]] * 3)))
+    for costs, drafts in ((MIXED, True), (DEAR, False), (CHEAP, True)):
+        params = _params(costs, config)
+        assert bool(P.draft_any(params, P.init_policy_state(params, 3), point_mass)) == drafts
+    assert P.draft_any(other, P.init_policy_state(other, 3), point_mass)
+
+
+def test_the_running_rate_follows_acceptance():
+    params = P.PolicyParams.from_policy(P.Goodput(prior=0.5, memory=0.5))
+    state = P.init_policy_state(params, 2)
+    np.testing.assert_allclose(P._rate(state), [0.5, 0.5])
+    # Row 0: 3 drafted, all accepted (3 tested); row 1: 4 drafted, 1 accepted (2 tested).
+    state = P.update_policy_state(
+        params, state, drafted=jnp.array([3, 4]), accepted=jnp.array([3, 1]),
+        active=jnp.array([True, True]),
+    )  # fmt: skip
+    np.testing.assert_allclose(state.accepted, [0.5 * 0.5 + 0.5 * 3, 0.25 + 0.5])
+    np.testing.assert_allclose(state.tested, [0.5 + 1.5, 0.5 + 1.0])
+    np.testing.assert_allclose(P._rate(state), [1.75 / 2.0, 0.75 / 1.5], rtol=1e-6)
+    assert P.skipped_round(state).skipped.tolist() == [1, 1]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = random_model(CONFIG, seed=3)
+    return target, random_model(CONFIG, seed=3, noise_of=target, scale=0.3)
+
+
+@pytest.fixture(scope="module")
+def want(pair):
+    return decoding.target_decode(pair[0], PROMPTS, max_new_tokens=MAX_NEW, prompt_width=WIDTH)
+
+
+def _decode(target, drafter, verify, costs, policy=None, programs=None, **kw):
+    config = decoding.DecodeConfig(verification=verify, max_new_tokens=MAX_NEW, max_draft=5, **kw)
+    return decoding.speculative_decode(
+        target, drafter, PROMPTS, config=config, policy=policy or decoding.Goodput(beta=0.01),
+        costs=costs, prompt_width=WIDTH, programs=programs,
+    )  # fmt: skip
+
+
+def _mixed_choices(out):
+    """Rounds that drafted, and rounds that drafted nothing (skipped or declined)."""
+    st = out.stats
+    drafted = st.drafted[st.active]
+    return int(np.sum(drafted > 0)), int(np.sum(drafted == 0))
+
+
+@pytest.mark.parametrize(
+    "verify", ["greedy", pytest.param("tree:2x3", marks=pytest.mark.slow), "dyntree:3x3x6"]
+)
+def test_goodput_greedy_equals_target_greedy(pair, want, verify):
+    for costs in (MIXED, CHEAP, DEAR):
+        out = _decode(*pair, verify, costs, max_skip=2)
+        for got, ref in zip(out.tokens, want.tokens, strict=True):
+            np.testing.assert_array_equal(got, ref)
+        drafted, nothing = _mixed_choices(out)
+        if costs is CHEAP:
+            assert nothing == 0 and drafted > 0
+        elif costs is DEAR:
+            assert drafted == 0  # a plain step every round: target-only decoding
+        else:
+            assert drafted > 0 and nothing > 0
+
+
+def test_one_program_serves_every_goodput_parameter_and_cost(pair):
+    programs = decoding.Programs()
+    runs = [
+        (MIXED, decoding.Goodput()),
+        (CHEAP, decoding.Goodput(prior=0.3, beta=0.5, memory=0.5)),
+        (DEAR, decoding.Goodput(prior=0.9)),
+    ]
+    counts = []
+    for costs, policy in runs:
+        _decode(*pair, "greedy", costs, policy=policy, programs=programs)
+        counts.append(programs.compiled)
+    assert counts[0] >= 1 and counts == [counts[0]] * 3
+
+
+def test_goodput_with_an_eagle_head_after_skipped_rounds(pair, want):
+    """A head catches up after plain steps: its context gains the target's state before
+    each new token, so the output stays exact and its drafts keep their KL finite."""
+    target, _ = pair
+    head = decoding_head(target)
+    out = _decode(target, head, "greedy", MIXED, max_skip=2)
+    for got, ref in zip(out.tokens, want.tokens, strict=True):
+        np.testing.assert_array_equal(got, ref)
+    drafted, nothing = _mixed_choices(out)
+    assert drafted > 0 and nothing > 0
+    ns = out.stats.nodes
+    assert np.all(np.isfinite(ns.kl[ns.valid]))
+
+
+def decoding_head(target):
+    from flax import nnx
+
+    from jaxcert.models import EagleHead
+
+    return EagleHead.from_target(target, rngs=nnx.Rngs(1), taps=(0, 1))
+
+
+def test_goodput_with_the_ngram_drafter(pair, want):
+    out = _decode(pair[0], decoding.NgramDrafter(2), "greedy", CHEAP)
+    for got, ref in zip(out.tokens, want.tokens, strict=True):
+        np.testing.assert_array_equal(got, ref)
+
+
+@pytest.mark.parametrize(
+    "spec, policy",
+    [
+        ("goodput", P.Goodput()),
+        ("goodput:0.5", P.Goodput(prior=0.5)),
+        ("goodput:0.5:0.4/16", P.Goodput(prior=0.5, beta=0.4, k_max=16)),
+    ],
+)
+def test_parse_goodput(spec, policy):
+    assert P.parse_policy(spec) == policy
+    assert P.parse_policy(policy.spec) == P.Goodput(prior=policy.prior, beta=policy.beta)
+
+
+@pytest.mark.parametrize("spec", ["goodput:1", "goodput:0", "goodput:0.5:0", "goodput:1:2:3"])
+def test_bad_goodput_spellings_are_named(spec):
+    with pytest.raises(ValueError, match="goodput"):
+        P.parse_policy(spec)
+
+
+def test_round_costs_by_depth():
+    config = decoding.DecodeConfig(verification="greedy", max_draft=5, max_skip=8)
+    assert config.verify_buckets() == (0, 1, 2, 4, 5)
+    costs = PassCosts(rows=1, target_s={1: 1.0, 2: 1.5, 3: 2.0, 5: 3.0, 6: 3.5}, drafter_s=0.25)
+    rc = costs.round_costs(config)
+    # depth d: max(d, 1) drafter steps + the pass at bucket(d) + 1 positions.
+    want = [0.25 + 1.0, 0.25 + 1.5, 0.5 + 2.0, 0.75 + 3.0, 1.0 + 3.0, 1.25 + 3.5]
+    np.testing.assert_allclose(rc.round_s, want, rtol=1e-6)
+    assert float(rc.skip_s) == 1.0
+    tree = decoding.DecodeConfig(verification="dyntree:3x3x8")
+    assert costs_lib.nodes_at_depth(tree) == [0, 3, 8, 8]
+    assert costs_lib.nodes_at_depth(decoding.DecodeConfig(verification="tree:2x3")) == [0, 2, 4, 6]
+
+
+def test_calibrate_measures_once_and_keeps_the_result(pair, tmp_path, monkeypatch):
+    config = decoding.DecodeConfig(verification="greedy", max_draft=2, max_skip=1)
+    calls = []
+    real = costs_lib.measure
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(costs_lib, "measure", counted)
+    first = costs_lib.calibrate(*pair, rows=2, config=config, folder=tmp_path, repeats=1)
+    assert sorted(first.target_s) == [1, 2, 3] and first.drafter_s > 0
+    assert all(v > 0 for v in first.target_s.values())
+    again = costs_lib.calibrate(*pair, rows=2, config=config, folder=tmp_path, repeats=1)
+    assert again == first and len(calls) == 1
+    (path,) = tmp_path.glob("*.json")
+    assert json.loads(path.read_text())["format"] == costs_lib.FORMAT
+    path.write_text("{broken")  # a damaged file is measured again, not trusted
+    costs_lib.calibrate(*pair, rows=2, config=config, folder=tmp_path, repeats=1)
+    assert len(calls) == 2
+    other = costs_lib.calibrate(*pair, rows=3, config=config, folder=tmp_path, repeats=1)
+    assert other.rows == 3 and len(calls) == 3 and len(list(tmp_path.glob("*.json"))) == 2

@@ -1,0 +1,141 @@
+"""The n-gram (prompt-lookup) drafter: its lookup against plain Python, exact greedy
+decoding on every draft shape, plain target steps when nothing matches, ``nan`` statistics."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tiny_decoding import CONFIG, MAX_NEW, WIDTH, random_model
+
+from jaxcert import decoding
+from jaxcert.decoding.ngram import NgramDrafter, lookup_reference, parse_ngram
+
+V = CONFIG.vocab_size
+
+
+def _proposals(drafter, sequences, split):
+    """Proposals after every position of each sequence, read in two calls (``split`` tokens,
+    then the rest) so that the cache's committed history is used too: ``[B, T]``."""
+    tokens = jnp.asarray(sequences, jnp.int32)
+    cache = drafter.init_cache(tokens.shape[0], tokens.shape[1] + 4)
+    first, cache = drafter.features(tokens[:, :split], cache)
+    second, _ = drafter.features(tokens[:, split:], cache.commit(split))
+    return np.concatenate([np.asarray(first[..., 0]), np.asarray(second[..., 0])], axis=1)
+
+
+@pytest.mark.parametrize("n, min_n", [(1, 1), (3, 1), (3, 2), (5, 1)])
+def test_lookup_equals_the_python_reference(n, min_n):
+    rng = np.random.default_rng(n * 10 + min_n)
+    rows = [rng.integers(0, 4, size=24) for _ in range(6)]  # 4 symbols: many repeats
+    rows += [np.arange(24) % 24, np.full(24, 7), np.tile([1, 2, 3], 8)]  # none, runs, cycles
+    drafter = NgramDrafter(n, min_n=min_n, vocab_size=V)
+    got = _proposals(drafter, np.stack(rows), split=9)
+    for row, proposals in zip(rows, got, strict=True):
+        seq = [int(x) for x in row]
+        want = [lookup_reference(seq[: t + 1], n, min_n) for t in range(len(seq))]
+        assert proposals.tolist() == want
+
+
+def test_lookup_prefers_the_longest_then_the_latest_match():
+    drafter = NgramDrafter(3, vocab_size=V)
+    # "5 6" occurs at 0-1 (then 7) and at 4-5 (then 8); "4 5 6" only at 3-5: the longest wins.
+    seq = [5, 6, 7, 4, 5, 6, 8, 9, 4, 5, 6]
+    assert _proposals(drafter, [seq], split=4)[0, -1] == 8
+    # Without the longer context, the latest of the equal matches wins.
+    seq = [5, 6, 7, 1, 5, 6, 8, 9, 2, 5, 6]
+    assert _proposals(drafter, [seq], split=4)[0, -1] == 8
+    assert lookup_reference([1, 2, 3], 3) == -1  # no earlier occurrence: no proposal
+
+
+def test_project_is_one_hot_and_empty_without_a_match():
+    drafter = NgramDrafter(2, vocab_size=V)
+    logits = np.asarray(drafter.project(jnp.asarray([[3], [-1]], jnp.int32)))
+    assert logits.shape == (2, V)
+    assert logits[0, 3] == 0.0 and np.all(np.isneginf(np.delete(logits[0], 3)))
+    assert np.all(np.isneginf(logits[1]))
+
+
+# Prompts that repeat themselves, and one that never does (its rounds draft nothing at first).
+PROMPTS = [
+    [5, 17, 3, 44, 9, 5, 17, 3],
+    [1, 2, 3, 4, 1, 2, 3, 4, 1],
+    [30, 12, 7],
+]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return random_model(CONFIG, seed=3)
+
+
+@pytest.mark.parametrize(
+    "verify, extra",
+    [
+        ("greedy", dict(max_draft=6)),
+        ("tree:2x3", {}),
+        ("dyntree:3x3x6", {}),
+        ("topk:3", dict(max_draft=6)),
+    ],
+)
+def test_ngram_greedy_equals_target_greedy(target, verify, extra):
+    want = decoding.target_decode(target, PROMPTS, max_new_tokens=MAX_NEW, prompt_width=WIDTH)
+    config = decoding.DecodeConfig(
+        verification=decoding.parse_verify(verify), max_new_tokens=MAX_NEW, **extra
+    )
+    out = decoding.speculative_decode(
+        target, NgramDrafter(3), PROMPTS, config=config, policy=decoding.Constant(k=4),
+        prompt_width=WIDTH,
+    )  # fmt: skip
+    if verify.startswith("topk"):  # a relaxed rule: the tokens may differ, not the lengths
+        assert [len(t) for t in out.tokens] == [len(t) for t in want.tokens]
+    else:
+        for got, ref in zip(out.tokens, want.tokens, strict=True):
+            np.testing.assert_array_equal(got, ref)
+    st = out.stats
+    active = st.active
+    assert st.accepted[active].sum() > 0  # the lookup's proposals were accepted ...
+    assert np.any(st.drafted[active] == 0)  # ... and some rounds had nothing to draft
+    ns = st.nodes
+    assert ns.valid.any()
+    for name in ("kl", "cert", "cert_list", "entropy", "q_top", "q_cert"):
+        assert np.all(np.isnan(getattr(ns, name))), name
+
+
+def test_zero_draft_rounds_are_plain_target_steps(target):
+    """A prompt without repeats and a budget of 3: the first round has no proposal, so it
+    emits exactly the target's token and drafts nothing."""
+    config = decoding.DecodeConfig(verification="greedy", max_new_tokens=3, max_draft=4)
+    out = decoding.speculative_decode(
+        target, NgramDrafter(2), [[30, 12, 7]], config=config, policy=decoding.Constant(k=4)
+    )
+    want = decoding.target_decode(target, [[30, 12, 7]], max_new_tokens=3)
+    np.testing.assert_array_equal(out.tokens[0], want.tokens[0])
+    assert out.stats.drafted[0, 0] == 0 and out.stats.emitted[0, 0] == 1
+    assert config.verify_buckets()[0] == 1  # an LM drafter's config has no zero width
+    assert decoding.DecodeConfig(proposes_tokens=True, max_draft=4).verify_buckets()[0] == 0
+
+
+@pytest.mark.parametrize(
+    "spec, n, min_n", [("ngram:3", 3, 1), ("NGRAM:4:2", 4, 2), (" ngram:1 ", 1, 1)]
+)
+def test_parse_ngram(spec, n, min_n):
+    drafter = parse_ngram(spec)
+    assert (drafter.n, drafter.min_n) == (n, min_n)
+    assert parse_ngram(drafter.spec).spec == drafter.spec
+
+
+@pytest.mark.parametrize(
+    "spec", ["ngram", "ngram:", "ngram:0", "ngram:2:3", "ngram:a", "ngram:1:1:1"]
+)
+def test_bad_ngram_spellings_are_named(spec):
+    with pytest.raises(ValueError, match="ngram"):
+        parse_ngram(spec)
+
+
+def test_other_spellings_are_not_ngram():
+    assert parse_ngram("qwen2.5-coder-0.5b-instruct") is None
+    assert parse_ngram("./ngrams/model") is None
+
+
+def test_an_unbound_drafter_needs_a_vocabulary():
+    with pytest.raises(ValueError, match="vocabulary size"):
+        NgramDrafter(3).project(jnp.zeros((1, 1), jnp.int32))
