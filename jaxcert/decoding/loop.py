@@ -87,7 +87,8 @@ def _pin(state: DecodeState, layout) -> DecodeState:
 
     The compiled round loop takes the prefill's output shardings as its input shardings;
     without a constraint XLA may choose other shardings for the loop's outputs (it did for a
-    draft head's state), and the next call would refuse them.
+    draft head's state and for the n-gram drafter's token cache), and the next call would
+    refuse them. A drafter cache with a ``pin`` method (``TokenCache``) is pinned too.
     """
     if layout is None:
         return state
@@ -99,6 +100,9 @@ def _pin(state: DecodeState, layout) -> DecodeState:
         name: pin(getattr(state, name)) for name in _PER_ROW if getattr(state, name) is not None
     }
     policy = None if state.policy is None else jax.tree.map(pin, state.policy)
+    cache = state.drafter_cache
+    if cache is not None and hasattr(cache, "pin"):  # a cache without a layout of its own
+        fields["drafter_cache"] = cache.pin(pin)
     return state.replace(rounds=pin(state.rounds), policy=policy, **fields)
 
 

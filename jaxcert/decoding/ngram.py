@@ -94,6 +94,11 @@ class TokenCache:
         rows = jnp.asarray(rows, jnp.int32)
         return jax.tree.map(lambda x: x[rows], self)
 
+    def pin(self, pin_rows) -> TokenCache:
+        """Every field through ``pin_rows`` (split over the batch axis on a mesh: the
+        decoder's constraint for per-row state)."""
+        return jax.tree.map(pin_rows, self)
+
     def copy_segments(self, src: ArrayLike, start: ArrayLike, width: int) -> TokenCache:
         src, start = jnp.asarray(src, jnp.int32), self._per_row(start)
         take = jax.vmap(lambda row, s: lax.dynamic_slice_in_dim(row, s, width))

@@ -98,6 +98,27 @@ print(json.dumps(report))
 """
 
 
+_NGRAM_SNIPPET = """
+mesh = jax.make_mesh((4,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:4])
+placed = models.shard(target, mesh)
+prompts = [[5, 17, 3, 5, 17], [1, 2, 3, 1, 2, 3, 1, 2, 3], [30, 12, 7], [8, 8, 1, 60]]
+costs = decoding.PassCosts(rows=4, target_s={1: 1.0, 2: 1.2, 8: 2.0}, drafter_s=0.0)
+out = {}
+for name, model in (("one", target), ("mesh", placed)):
+    for policy in ("constant:3", "goodput"):
+        config = decoding.DecodeConfig(verification="greedy", max_new_tokens=12, max_draft=3)
+        got = decoding.speculative_decode(
+            model, decoding.NgramDrafter(2), prompts, config=config, prompt_width=9,
+            policy=decoding.parse_policy(policy), costs=costs,
+        )
+        out[name + "/" + policy] = [t.tolist() for t in got.tokens]
+        out[name + "/" + policy + "/rounds"] = got.rounds.tolist()
+greedy = decoding.target_decode(target, prompts, max_new_tokens=12, prompt_width=9)
+out["greedy"] = [t.tolist() for t in greedy.tokens]
+print(json.dumps(out))
+"""
+
+
 def _check(report):
     assert report["tokens"] == report["greedy"] == report["greedy_mesh"]
     assert all(len(t) == 12 for t in report["tokens"])
@@ -163,3 +184,13 @@ def test_one_device_mesh_matches_greedy(target, greedy_reference):
     )
     for got, want in zip(out.tokens, greedy_reference, strict=True):
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.slow
+def test_batch_sharded_target_with_the_ngram_drafter_and_goodput_decodes_like_one_device():
+    """The lookup drafter's token cache stays split over the batch (pinned each round) and
+    goodput's batch-level choices are the same on the mesh as on one device."""
+    report = run(_PRELUDE + _NGRAM_SNIPPET)
+    for policy in ("constant:3", "goodput"):
+        assert report[f"one/{policy}"] == report[f"mesh/{policy}"] == report["greedy"]
+        assert report[f"one/{policy}/rounds"] == report[f"mesh/{policy}/rounds"]

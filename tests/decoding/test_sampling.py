@@ -76,21 +76,37 @@ def test_sampling_with_the_ngram_drafter_matches_target_distribution(small_pair,
     _check_sampling(target, decoding.NgramDrafter(2), verify, 1.0, 1.0, prompt=prompt)
 
 
-def _check_sampling(target, drafter, verify, temperature, top_p, prompt=PROMPT):
+def test_sampling_with_goodput_matches_target_distribution(small_pair):
+    """Rounds that skip the drafter (plain sampled target steps), rounds that draft nothing
+    and rounds that draft, mixed in one batch: still the target's distribution."""
+    costs = decoding.PassCosts(rows=ROWS, target_s={1: 1.0, 2: 1.2, 8: 2.0}, drafter_s=0.5)
+    out = _check_sampling(
+        *small_pair, "sample", 1.0, 1.0, policy=decoding.Goodput(beta=0.01), costs=costs,
+        max_skip=1,
+    )  # fmt: skip
+    drafted = out.stats.drafted[out.stats.active]
+    assert np.any(drafted == 0) and np.any(drafted > 0)
+
+
+def _check_sampling(
+    target, drafter, verify, temperature, top_p, prompt=PROMPT, policy=None, costs=None, **kw
+):
     config = decoding.DecodeConfig(
         verification=decoding.parse_verify(verify),
         max_new_tokens=3,
         max_draft=2,
         temperature=temperature,
         top_p=top_p,
+        **kw,
     )
     out = decoding.speculative_decode(
         target,
         drafter,
         [prompt] * ROWS,
-        policy=decoding.Constant(k=2),
+        policy=policy or decoding.Constant(k=2),
         config=config,
         key=jax.random.key(42),
+        costs=costs,
     )
     first_two = np.array([t[:2] for t in out.tokens])
     observed = np.zeros((8, 8))
@@ -105,6 +121,7 @@ def _check_sampling(target, drafter, verify, temperature, top_p, prompt=PROMPT):
     assert np.all(np.isnan(ns.cert))
     one_hot = isinstance(drafter, decoding.NgramDrafter)
     assert np.all(np.isnan(ns.kl) if one_hot else np.isfinite(ns.kl[ns.valid]))
+    return out
 
 
 def test_target_only_sampling_matches_too(small_pair):
