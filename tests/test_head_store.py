@@ -79,8 +79,15 @@ def test_store_resumes_and_refuses_what_does_not_match(target, tmp_path):
     part = head_data.write_store(target, seqs, tmp_path / "p", _spec(), max_positions=1)
     assert len(part.shards) == 1  # stopped after the first shard passed the goal
     (tmp_path / "p" / "shard-00001.safetensors.tmp").write_bytes(b"torn write")  # a crash
-    resumed = head_data.write_store(target, seqs, tmp_path / "p", _spec())
+    calls = []
+    resumed = head_data.write_store(
+        target, seqs, tmp_path / "p", _spec(), progress=lambda *a: calls.append(a)
+    )
     assert len(resumed.shards) == 3
+    # First what the earlier run wrote (the baseline of a rate), then after each new shard.
+    assert [c[0] for c in calls] == [part.positions] + [
+        sum(s["positions"] for s in resumed.shards[: i + 1]) for i in (1, 2)
+    ]
     got = resumed.load()
     for name in ("tokens", "states", "top_logp", "certificate", "length", "start"):
         np.testing.assert_array_equal(getattr(got, name), getattr(whole, name))

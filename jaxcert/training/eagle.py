@@ -354,19 +354,10 @@ def train_head_on_records(
         tmp.write_text(json.dumps({"step": done, "history": history}))
         os.replace(tmp, folder / "progress.json")
 
-    mask = records.mask
     n = records.tokens.shape[0]
     size = min(batch_size, n)
     for i in range(start, steps):
-        rows = _batch_rows(n, size, seed, i)
-        batch = {
-            "tokens": jnp.asarray(records.tokens[rows]),
-            "states": jnp.asarray(records.states[rows]),
-            "top_logp": jnp.asarray(records.top_logp[rows]),
-            "top_ids": jnp.asarray(records.top_ids[rows]),
-            "certificate": jnp.asarray(records.certificate[rows]),
-            "mask": jnp.asarray(mask[rows]),
-        }
+        batch = records.batch(_batch_rows(n, size, seed, i))
         t0 = time.perf_counter()
         loss, kl, violation, tv = (float(x) for x in step(head, optimizer, batch))
         entry = dict(loss=loss, kl=kl, violation=violation, tv=tv)

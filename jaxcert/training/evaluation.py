@@ -23,7 +23,12 @@ from jaxcert.training.heads import DraftHead, LmHead, project
 if TYPE_CHECKING:
     from jaxcert.models import LoadedModel
 
-__all__ = ["chain_acceptance_length", "decoder_acceptance", "evaluate"]
+__all__ = [
+    "chain_acceptance_length",
+    "decoder_acceptance",
+    "decoder_acceptance_by_prompt",
+    "evaluate",
+]
 
 
 def chain_acceptance_length(match: np.ndarray, draft_length: int) -> tuple[int, int]:
@@ -143,6 +148,73 @@ def evaluate(
     return out
 
 
+def decoder_acceptance_by_prompt(
+    target: LoadedModel | nnx.Module,
+    drafter: LoadedModel | nnx.Module,
+    prompt_ids: Sequence[Sequence[int]],
+    *,
+    draft_length: int = 5,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    eos_ids: Sequence[int] = (),
+    batch_size: int = 4,
+    seed: int = 0,
+) -> dict[str, np.ndarray]:
+    """Per prompt, a drafter's acceptance in the speculative decoder: a chain with
+    ``constant:K``, greedy verification at ``temperature == 0``, speculative sampling
+    otherwise.
+
+    Args:
+      target: the target (``models.LoadedModel`` or ``nnx.Module``).
+      drafter: the drafter, e.g. a :class:`~jaxcert.training.HeadedDrafter` or a
+        :class:`jaxcert.models.EagleHead` (same vocabulary).
+      prompt_ids: ``P`` prompts' token ids (chat template applied), each of length >= 2.
+      draft_length: ``K``, drafted tokens per round (``constant:K`` policy).
+      max_new_tokens: output tokens per prompt.
+      temperature: ``0`` for greedy, ``> 0`` to sample (the same key for every batch).
+      eos_ids: tokens that end a row.
+      batch_size: prompts decoded together (one compilation for all batches).
+      seed: the sampling key's seed.
+
+    Returns:
+      ``{"tokens", "accepted", "rounds"}``, each ``[P]`` float64: emitted tokens, accepted
+      drafted tokens and rounds of each prompt.
+
+    Raises:
+      ValueError: mismatched vocabularies or prompts shorter than 2 tokens.
+    """
+    import jax
+
+    from jaxcert import decoding
+
+    config = decoding.DecodeConfig(
+        verification=decoding.parse_verify("sample" if temperature > 0 else "greedy"),
+        temperature=temperature,
+        max_new_tokens=max_new_tokens,
+        max_draft=draft_length,
+        eos_ids=tuple(eos_ids),
+        collect_stats=False,
+    )
+    policy = decoding.Constant(k=draft_length)
+    width = round_up(max(len(p) for p in prompt_ids), 16)
+    out: dict[str, list] = {"tokens": [], "accepted": [], "rounds": []}
+    for start in range(0, len(prompt_ids), batch_size):
+        batch = [list(p) for p in prompt_ids[start : start + batch_size]]
+        batch += [batch[-1]] * (batch_size - len(batch))  # same shape for every batch
+        real = min(batch_size, len(prompt_ids) - start)
+        result = decoding.speculative_decode(
+            target, drafter, batch, policy=policy, config=config, prompt_width=width,
+            key=jax.random.key(seed),
+        )  # fmt: skip
+        stats = result.stats
+        assert stats is not None  # a drafter was given: per-round statistics exist
+        active = np.asarray(stats.active)[:, :real]
+        out["tokens"] += list((np.asarray(stats.emitted)[:, :real] * active).sum(0))
+        out["accepted"] += list((np.asarray(stats.accepted)[:, :real] * active).sum(0))
+        out["rounds"] += list(active.sum(0))
+    return {k: np.asarray(v, np.float64) for k, v in out.items()}
+
+
 def decoder_acceptance(
     target: LoadedModel | nnx.Module,
     drafter: LoadedModel | nnx.Module,
@@ -153,17 +225,8 @@ def decoder_acceptance(
     eos_ids: Sequence[int] = (),
     batch_size: int = 4,
 ) -> dict[str, float]:
-    """Acceptance of a drafter in the speculative decoder (greedy chain, constant ``K``).
-
-    Args:
-      target: the target (``models.LoadedModel`` or ``nnx.Module``).
-      drafter: the drafter, e.g. a :class:`~jaxcert.training.HeadedDrafter` (same
-        vocabulary).
-      prompt_ids: token ids of each prompt (chat template applied), each of length >= 2.
-      draft_length: ``K``, drafted tokens per round (``constant:K`` policy).
-      max_new_tokens: output tokens per prompt.
-      eos_ids: tokens that end a row.
-      batch_size: prompts decoded together (one compilation for all batches).
+    """Acceptance of a drafter in the speculative decoder (greedy chain, constant ``K``),
+    over all prompts (:func:`decoder_acceptance_by_prompt`, whose arguments these are).
 
     Returns:
       ``decoder_acceptance_length``: mean tokens per round (accepted drafts plus the
@@ -173,31 +236,11 @@ def decoder_acceptance(
     Raises:
       ValueError: mismatched vocabularies or prompts shorter than 2 tokens.
     """
-    from jaxcert import decoding
-
-    config = decoding.DecodeConfig(
-        verification=decoding.parse_verify("greedy"),
-        max_new_tokens=max_new_tokens,
-        max_draft=draft_length,
-        eos_ids=tuple(eos_ids),
-        collect_stats=False,
-    )
-    policy = decoding.Constant(k=draft_length)
-    width = round_up(max(len(p) for p in prompt_ids), 16)
-    tokens = rounds = accepted = 0
-    for start in range(0, len(prompt_ids), batch_size):
-        batch = [list(p) for p in prompt_ids[start : start + batch_size]]
-        batch += [batch[-1]] * (batch_size - len(batch))  # same shape for every batch
-        real = min(batch_size, len(prompt_ids) - start)
-        out = decoding.speculative_decode(
-            target, drafter, batch, policy=policy, config=config, prompt_width=width
-        )
-        stats = out.stats
-        assert stats is not None  # a drafter was given: per-round statistics exist
-        active = np.asarray(stats.active)[:, :real]
-        tokens += int(np.asarray(stats.emitted)[:, :real][active].sum())
-        accepted += int(np.asarray(stats.accepted)[:, :real][active].sum())
-        rounds += int(active.sum())
+    per = decoder_acceptance_by_prompt(
+        target, drafter, prompt_ids, draft_length=draft_length,
+        max_new_tokens=max_new_tokens, eos_ids=eos_ids, batch_size=batch_size,
+    )  # fmt: skip
+    tokens, accepted, rounds = (int(per[k].sum()) for k in ("tokens", "accepted", "rounds"))
     return {
         "decoder_acceptance_length": tokens / max(rounds, 1),
         "decoder_accepted_per_round": accepted / max(rounds, 1),

@@ -140,6 +140,17 @@ class HeadRecords:
         t = np.arange(self.tokens.shape[1])[None, :]
         return (t >= self.start[:, None] - 1) & (t < self.length[:, None] - 1)
 
+    BATCH_FIELDS = ("tokens", "states", "top_logp", "top_ids", "certificate")
+
+    def batch(self, rows) -> dict:
+        """The training fields of sequences ``rows`` (indices or a slice) as device arrays:
+        ``tokens``, ``states``, ``top_logp``, ``top_ids``, ``certificate`` and ``mask``, each
+        ``[b, T, ...]`` (what :func:`jaxcert.training.eagle.window_loss` reads)."""
+        import jax.numpy as jnp
+
+        out = {k: jnp.asarray(getattr(self, k)[rows]) for k in self.BATCH_FIELDS}
+        return out | {"mask": jnp.asarray(self.mask[rows])}
+
 
 @dataclasses.dataclass(frozen=True)
 class Store:
@@ -306,7 +317,8 @@ def write_store(
       folder: the store (created if missing).
       spec: what to record; must equal the spec of an existing store.
       max_positions: stop after this many trained positions (``None``: all sequences).
-      progress: called as ``progress(positions_done, positions_goal)`` after each shard.
+      progress: called as ``progress(positions_done, positions_goal)`` once before the
+        first new shard (the positions earlier runs wrote) and after each shard.
 
     Returns:
       The store's manifest.
@@ -345,6 +357,8 @@ def write_store(
     graphdef, params = nnx.split(target)
     goal = max_positions if max_positions is not None else None
     shards = list(store.shards)
+    if progress is not None:  # what earlier runs wrote: the baseline of this run's rate
+        progress(store.positions, goal or -1)
     for i in range(len(shards), -(-len(sequences) // b)):
         if goal is not None and store.positions >= goal:
             break

@@ -29,6 +29,7 @@ import numpy as np
 from jaxcert.base import prompts
 from jaxcert.core import rules as rules_lib
 from jaxcert.training import head_data
+from jaxcert.training.evaluation import decoder_acceptance_by_prompt
 from jaxcert.training.train import Objective
 
 if TYPE_CHECKING:
@@ -213,7 +214,6 @@ def evaluate_head(
       ``{"kl", "tv", "agreement", "certified:<rule>"...}``, each ``[N]`` float64 (one value
       per sequence: the unit of the bootstrap).
     """
-    import jax.numpy as jnp
     from flax import nnx
 
     from jaxcert.training.eagle import window_terms
@@ -224,10 +224,7 @@ def evaluate_head(
         out[f"certified:{r}"] = []
     mask = records.mask
     for i in range(records.tokens.shape[0]):
-        batch = {
-            k: jnp.asarray(getattr(records, k)[i : i + 1])
-            for k in ("tokens", "states", "top_logp", "top_ids", "certificate")
-        }
+        batch = records.batch(slice(i, i + 1))
         kl, tv, cert, top = (np.asarray(x)[0] for x in terms(head, batch))
         m = mask[i]
         out["kl"].append(float(kl[m].mean()))
@@ -261,12 +258,22 @@ def write_stores(
     ``heldout_top_k`` window); both resume."""
     import time
 
-    t0 = time.perf_counter()
+    def reporter() -> Callable[[int, int], None]:
+        """A store's progress log; its rate counts only the positions this run wrote."""
+        first: list[tuple[int, float]] = []
 
-    def progress(done: int, goal: int) -> None:
-        rate = done / max(time.perf_counter() - t0, 1e-9)
-        of = f" / {goal:,}" if goal > 0 else " held-out"
-        log(f"records: {done:,}{of} positions ({rate:.0f} positions/s this run)")
+        def progress(done: int, goal: int) -> None:
+            of = f" / {goal:,}" if goal > 0 else " held-out"
+            if not first:  # before the first new shard: what earlier runs wrote
+                first.append((done, time.perf_counter()))
+                if done:
+                    log(f"records: {done:,}{of} positions already written, resuming")
+                return
+            base, t0 = first[0]
+            rate = (done - base) / max(time.perf_counter() - t0, 1e-9)
+            log(f"records: {done:,}{of} positions ({rate:.0f} positions/s this run)")
+
+        return progress
 
     store = head_data.write_store(
         target.model,
@@ -274,7 +281,7 @@ def write_stores(
         out / "store",
         _store_spec(target, settings, settings.top_k),
         max_positions=settings.positions,
-        progress=progress,
+        progress=reporter(),
     )
     t0 = time.perf_counter()
     heldout = head_data.write_store(
@@ -282,7 +289,7 @@ def write_stores(
         held,
         out / "heldout",
         _store_spec(target, settings, settings.heldout_top_k),
-        progress=progress,
+        progress=reporter(),
     )
     log(f"records: {store.positions:,} training positions, {heldout.positions:,} held out")
     return store, heldout
@@ -487,27 +494,13 @@ def decode_heads(
       emitted tokens, rounds, their ratio: the acceptance length, accepted drafts plus the
       target's token).
     """
-    import jax
-
-    from jaxcert import decoding
-
-    config = decoding.DecodeConfig(
-        verification=decoding.parse_verify("sample" if temperature > 0 else "greedy"),
-        temperature=temperature,
-        max_new_tokens=max_new_tokens,
-        max_draft=draft_length,
-        eos_ids=tuple(eos_ids),
-    )
     out = []
     for head in heads:
-        result = decoding.speculative_decode(
-            target, head, [list(p) for p in prompt_ids], policy=decoding.Constant(k=draft_length),
-            config=config, key=jax.random.key(seed),
+        per = decoder_acceptance_by_prompt(
+            target, head, prompt_ids, draft_length=draft_length,
+            max_new_tokens=max_new_tokens, temperature=temperature, eos_ids=eos_ids,
+            batch_size=len(prompt_ids), seed=seed,
         )  # fmt: skip
-        stats = result.stats
-        assert stats is not None
-        active = np.asarray(stats.active)
-        tokens = (np.asarray(stats.emitted) * active).sum(0).astype(np.float64)
-        rounds = active.sum(0).astype(np.float64)
+        tokens, rounds = per["tokens"], per["rounds"]
         out.append({"tokens": tokens, "rounds": rounds, "tokens_per_round": tokens / rounds})
     return out
