@@ -283,7 +283,6 @@ def write_stores(
         max_positions=settings.positions,
         progress=reporter(),
     )
-    t0 = time.perf_counter()
     heldout = head_data.write_store(
         target.model,
         held,
