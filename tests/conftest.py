@@ -31,25 +31,9 @@ _TIMEOUT = "--xla_cpu_collective_call_terminate_timeout_seconds=900"
 if "collective_call_terminate_timeout" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _TIMEOUT).strip()
 
-# JAX's persistent compilation cache, in a fresh folder per test run instead of the user's
-# cache, shared by both xdist workers (one folder per run id) and every subprocess (they
-# inherit the variable; the CLI turns the cache on from it). The tests turn it on too: most
-# of the suite's time is compiling tiny programs, and many tests compile the same ones
-# (the same shapes and config on other tiny models, or again after a module's programs were
-# freed); a program is still compiled once per run. Hits change no result: an executable
-# read back is the one XLA compiled.
-if "JAXCERT_COMPILE_CACHE" not in os.environ:
-    _RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    _FOLDER = (
-        os.path.join(tempfile.gettempdir(), f"jaxcert-xla-{_RUN}")
-        if _RUN
-        else tempfile.mkdtemp(prefix="jaxcert-xla-")
-    )
-    os.environ["JAXCERT_COMPILE_CACHE"] = _FOLDER
-
-from jaxcert.base.compile_cache import enable_compilation_cache  # noqa: E402 (after XLA_FLAGS)
-
-enable_compilation_cache()
+# The CLI turns on JAX's persistent compilation cache: in tests, a fresh folder per session
+# (inherited by the subprocesses) instead of the user's cache.
+os.environ.setdefault("JAXCERT_COMPILE_CACHE", tempfile.mkdtemp(prefix="jaxcert-xla-"))
 
 
 def pytest_addoption(parser):

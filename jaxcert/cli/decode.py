@@ -111,6 +111,13 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default %(default)s)")
     p.add_argument("--no-baseline", action="store_true", help="skip the target-only run")
     p.add_argument(
+        "--costs",
+        type=pathlib.Path,
+        default=None,
+        help="goodput's pass costs from a file instead of measuring them: JSON mapping "
+        "batch rows to measured costs, as scripts/bench_pass_width.py --json writes",
+    )
+    p.add_argument(
         "--no-certificates",
         action="store_true",
         help="skip the per-node certificates (KL is still recorded)",
@@ -190,6 +197,7 @@ def run(args) -> int:
     from jaxcert.decoding import run_report
 
     policy, config = _config(args)  # validates temperature against the rule before loading
+    given_costs = _read_costs(args.costs) if args.costs is not None else None
     out = args.out
     replace = run_report.check_output(out, overwrite=args.overwrite)  # before any loading
     device_mesh = mesh_lib.make_mesh(args.mesh)
@@ -199,6 +207,14 @@ def run(args) -> int:
     started = time.perf_counter()
     cache_dir = jaxcert.enable_compilation_cache()  # a rerun on this machine compiles nothing
     prompt_set = load_prompt_set(args.prompts, turn=args.turn, max_prompts=args.max_prompts)
+    if given_costs is not None and isinstance(policy, decoding.Goodput):  # before loading
+        n, size = len(prompt_set), args.batch_size
+        missing = sorted({min(size, n - i) for i in range(0, n, size)} - set(given_costs))
+        if missing:
+            raise ValueError(
+                f"--costs {args.costs} has no costs for batches of {missing} rows "
+                f"(it has {sorted(given_costs)})"
+            )
     target, drafter, load_s = _load(args, mesh)
     config = dataclasses.replace(config, eos_ids=target.eos_ids)
     encoded = _encode(args, target, prompt_set)
@@ -212,7 +228,7 @@ def run(args) -> int:
         file=sys.stderr,
     )
     compiled_before = decoding.default_programs().compiled
-    runs = _decode(args, target, drafter, encoded, policy, config)
+    runs = _decode(args, target, drafter, encoded, policy, config, given_costs)
     summary = run_report.summarize_runs(runs)
     if replace:  # the previous run's files go only now that this one is ready
         run_report.remove_outputs(out)
@@ -276,7 +292,22 @@ def _encode(args, target, prompt_set) -> list:
     return encoded
 
 
-def _decode(args, target, drafter, encoded, policy, config) -> dict:
+def _read_costs(path: pathlib.Path) -> dict:
+    """``--costs``: ``{rows: PassCosts}`` from a JSON file (checked before loading).
+
+    Raises:
+      ValueError: an unreadable file or malformed costs, naming ``--costs``.
+    """
+    from jaxcert import decoding
+
+    try:
+        data = json.loads(path.read_text())
+        return {int(rows): decoding.PassCosts.from_json(body) for rows, body in data.items()}
+    except (OSError, ValueError, AttributeError, json.JSONDecodeError) as err:
+        raise ValueError(f"--costs {path}: {err}") from None
+
+
+def _decode(args, target, drafter, encoded, policy, config, given_costs=None) -> dict:
     """Each batch decoded by the target alone (unless ``--no-baseline``) and speculatively:
     ``{"target": [...], "speculative": [...]}``, one output per batch, with a progress bar."""
     import jax
@@ -306,7 +337,9 @@ def _decode(args, target, drafter, encoded, policy, config) -> dict:
             done += len(batch) * args.max_new_tokens  # rows that ended early count in full
             progress.advance(done)
         costs = None
-        if isinstance(policy, decoding.Goodput):  # measured once per batch size, cached
+        if isinstance(policy, decoding.Goodput) and given_costs is not None:
+            costs = given_costs[len(batch)]  # checked in run()
+        elif isinstance(policy, decoding.Goodput):  # measured once per batch size, cached
             costs = decoding.calibrate(
                 target, drafter, rows=len(batch),
                 config=decoding.resolved_config(config, target, drafter, policy),

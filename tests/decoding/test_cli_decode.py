@@ -206,3 +206,29 @@ def test_decode_refuses_a_bad_ngram_drafter_before_loading(files, monkeypatch, c
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert "--drafter" in err and "ngram" in err
+
+
+def test_decode_with_goodput_and_given_costs(files, monkeypatch, capsys, tmp_path):
+    """``--policy goodput --costs FILE``: no measuring; the costs make every round a plain
+    target step, so the outputs are the target's and nothing is drafted. A file without the
+    run's batch size is refused before any weights are read."""
+    monkeypatch.setenv("JAXCERT_CACHE", str(files["root"] / "cache"))
+    dear = decoding.PassCosts(rows=2, target_s={1: 1.0, 2: 5.0, 9: 40.0}, drafter_s=1.0)
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"2": dear.to_json()}))
+    out = files["root"] / "out-goodput"
+    argv = _argv(files, out, "--costs", str(costs))
+    argv[argv.index("--policy") + 1] = "goodput"
+    assert cli.main(argv) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["policy"] == "goodput"
+    assert summary["speculative"]["mean_drafted"] == 0
+    assert "measuring pass costs" not in capsys.readouterr().err
+    rows = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
+    assert rows and all(r["identical"] for r in rows)
+    costs.write_text(json.dumps({"4": dear.to_json()}))
+    _no_loading(monkeypatch)
+    argv = _argv(files, files["root"] / "out-goodput-2", "--costs", str(costs))
+    argv[argv.index("--policy") + 1] = "goodput"
+    assert cli.main(argv) == 2
+    assert "no costs for batches of [2] rows" in capsys.readouterr().err
