@@ -115,7 +115,8 @@ def add_parser(sub) -> None:
         type=pathlib.Path,
         default=None,
         help="goodput's pass costs from a file instead of measuring them: JSON mapping "
-        "batch rows to measured costs, as scripts/bench_pass_width.py --json writes",
+        "batch rows to measured costs, as scripts/bench_pass_width.py --json writes "
+        "(default: measured on this machine once per batch size, cached)",
     )
     p.add_argument(
         "--no-certificates",
