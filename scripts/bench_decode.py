@@ -34,6 +34,12 @@ interleaved protocol and compared with the LM drafter's by the paired bootstrap:
   python scripts/bench_decode.py --head jaxcert-out/train-head/kl-seed0/head \
       --shapes chain --policies svip:0.3 --head-policies constant:4,constant:6
 
+Prompt lookup (``--ngram N``) adds ``ngram/<shape>`` configurations the same way
+(``--ngram-shapes``, ``--ngram-policies``, default ``constant:4,goodput``); ``goodput`` in any
+policy list measures this machine's pass costs once (cached under the jaxcert cache)::
+
+  python scripts/bench_decode.py --policies svip:0.3,cert,goodput --shapes chain --ngram 3
+
 Prints markdown tables and writes a JSON file (``--out``).
 """
 
@@ -76,6 +82,17 @@ def _args(argv=None):
         "configurations for every --head-shapes shape",
     )
     p.add_argument("--head-shapes", default="chain,tree:2x4", help="shapes drafted by --head")
+    p.add_argument(
+        "--ngram",
+        type=int,
+        default=None,
+        help="adds 'ngram/<shape>' configurations: prompt lookup of the last N tokens "
+        "(decoding.NgramDrafter(N)) for every --ngram-shapes shape",
+    )
+    p.add_argument("--ngram-shapes", default="chain", help="shapes drafted by --ngram")
+    p.add_argument(
+        "--ngram-policies", default="constant:4,goodput", help="policies of the n-gram drafter"
+    )
     p.add_argument(
         "--head-policies", default=None, help="policies of the head (default: --policies)"
     )
@@ -128,13 +145,17 @@ def _select(prompt_set, args) -> list:
     return chosen
 
 
+_OTHER = ("head/", "ngram/")  # configurations of the other drafters: <drafter>/<shape>
+
+
 def _drafter(drafters: dict, shape: str):
-    """The drafter of a configuration: ``head/<shape>`` is the head's, others the LM's."""
-    return drafters["head" if shape.startswith("head/") else "lm"]
+    """The drafter of a configuration: ``head/<shape>`` is the head's, ``ngram/<shape>`` the
+    lookup's, others the LM's."""
+    return drafters[shape.split("/")[0] if shape.startswith(_OTHER) else "lm"]
 
 
 def _config(shape: str, temperature: float, args, eos) -> decoding.DecodeConfig:
-    shape = shape.removeprefix("head/")
+    shape = shape.split("/", 1)[1] if shape.startswith(_OTHER) else shape
     rule = "greedy" if temperature == 0 else "sample"
     verify = rule if shape == "chain" else f"{shape}+{rule}"
     buckets = None
@@ -189,7 +210,7 @@ def _decode_all(target, drafters, encoded, args, eos, temperatures, policies, sh
     order = [
         (s, p)
         for s in shapes
-        if not s.startswith("head/")
+        if not s.startswith(_OTHER)
         for p in policies
         if s == "chain" or p in tree_pols
     ]
@@ -197,6 +218,8 @@ def _decode_all(target, drafters, encoded, args, eos, temperatures, policies, sh
     if args.head_policies:
         head_pols = [decoding.parse_policy(p) for p in args.head_policies.split(",")]
     order += [(s, p) for s in shapes if s.startswith("head/") for p in head_pols]
+    ngram_pols = [decoding.parse_policy(p) for p in args.ngram_policies.split(",")]
+    order += [(s, p) for s in shapes if s.startswith("ngram/") for p in ngram_pols]
     for temperature in temperatures:
         configs = {shape: _config(shape, temperature, args, eos) for shape in shapes}
         kw = dict(
@@ -420,6 +443,9 @@ def main(argv=None) -> int:
         drafters["head"] = eagle.load_head(args.head)
         eagle.check_head_fits(drafters["head"], target.config)
         shapes += [f"head/{s}" for s in args.head_shapes.split(",")]
+    if args.ngram is not None:
+        drafters["ngram"] = decoding.NgramDrafter(args.ngram)
+        shapes += [f"ngram/{s}" for s in args.ngram_shapes.split(",")]
     load_s = time.perf_counter() - t0
     eos = target.eos_ids
     prompt_set = _select(prompts.load_prompts(args.prompts), args)
