@@ -10,7 +10,10 @@ finished calls (for the progress bar).
 
 The verification pass has a static width, but the drafted depth varies: the pass is a
 ``lax.switch`` over a few widths ("buckets", each compiled once), taking the smallest that
-holds every row's drafted nodes, so a 3-token draft is not scored at ``K_max + 1`` positions.
+holds every row's drafted nodes, so a 3-token draft is not scored at ``K_max + 1`` positions;
+width 0 (no row drafted anything) is a plain target step. With ``DecodeConfig.max_skip > 0``
+a round may also skip the drafter altogether (``goodput``'s choice, :func:`_plain_round`):
+the target steps alone and the drafter catches up in its next, wider re-read.
 """
 
 from __future__ import annotations
