@@ -208,7 +208,6 @@ def resolved_config(
     Raises:
       ValueError: as :func:`speculative_decode` for a head the target cannot feed.
     """
-    drafter = _bound(drafter, target)
     config = _with_head(config, target, drafter)
     proposes = bool(getattr(getattr(drafter, "model", drafter), "proposes_tokens", False))
     goodput = isinstance(policy, policies_lib.Goodput)
@@ -344,12 +343,11 @@ def speculative_decode(
     settings = Settings.create(
         config.max_new_tokens, config.temperature, config.top_p, config.eos_ids
     )
-    if goodput and costs is None:
-        costs = costs_lib.calibrate(target, drafter, rows=int(prompt.shape[0]), config=static)
-    round_costs = (
-        costs.round_costs(static) if goodput and costs is not None
-        else policies_lib.RoundCosts.unknown(static.depth)
-    )  # fmt: skip
+    round_costs = policies_lib.RoundCosts.unknown(static.depth)  # zeros: not read
+    if goodput:
+        if costs is None:
+            costs = costs_lib.calibrate(target, drafter, rows=int(prompt.shape[0]), config=static)
+        round_costs = costs.round_costs(static)
     policy_params = policies_lib.PolicyParams.from_policy(policy, round_costs)
     if isinstance(config.tree, loop.tree_lib.Chain) and policy.k_max > config.max_draft:
         policy_params = policy_params.replace(k_max=jnp.asarray(config.max_draft, jnp.int32))

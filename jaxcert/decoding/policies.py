@@ -505,9 +505,15 @@ def _token_estimate(params: PolicyParams, state: PolicyState, features: DrafterF
     """``goodput``'s acceptance estimate of a drafted token: ``[B]``, the certificate
     estimate ``(C_q / log 2) ** beta`` capped by the row's rate (a point-mass ``q``, as
     prompt lookup drafts, has estimate 1: the rate decides)."""
-    ratio = jnp.clip(features.cert / jnp.log(2.0), 0.0, 1.0)
+    ratio = _cert_ratio(features)
     ratio = jnp.where(jnp.isnan(ratio), 0.0, ratio)
     return jnp.minimum(ratio ** jnp.maximum(params.beta, 1e-6), _rate(state))
+
+
+def _cert_ratio(features: DrafterFeatures) -> jax.Array:
+    """``[B]`` ``C_q / log 2`` in ``[0, 1]``: the drafter's normalised robustness, which
+    ``cert`` and ``goodput`` raise to ``beta`` as an acceptance estimate."""
+    return jnp.clip(features.cert / jnp.log(2.0), 0.0, 1.0)
 
 
 def should_continue(
@@ -534,7 +540,7 @@ def should_continue(
       ``(continue, survival)``: ``[B]`` bool, ``False`` once ``drafted >= k_max``, and the
       updated :class:`Survival`.
     """
-    ratio = jnp.clip(features.cert / jnp.log(2.0), 0.0, 1.0)
+    ratio = _cert_ratio(features)
     goodput = params.kind == _KINDS.index("goodput")
     a = jnp.where(goodput, _token_estimate(params, state, features), ratio**params.beta)
     prob = survival.prob * jnp.where(params.beta > 0, a, 1)

@@ -231,3 +231,8 @@ def test_calibrate_measures_once_and_keeps_the_result(pair, tmp_path, monkeypatc
     assert len(calls) == 2
     other = costs_lib.calibrate(*pair, rows=3, config=config, folder=tmp_path, repeats=1)
     assert other.rows == 3 and len(calls) == 3 and len(list(tmp_path.glob("*.json"))) == 2
+    # A draft head's step is timed with a context; the lookup drafter's is free.
+    head = decoding_head(pair[0])
+    assert real(pair[0], head, rows=1, config=config, repeats=1).drafter_s > 0
+    ngram = decoding.NgramDrafter(2, vocab_size=CONFIG.vocab_size)
+    assert real(pair[0], ngram, rows=1, config=config, repeats=1).drafter_s == 0
