@@ -2,6 +2,8 @@
 recomputation, the window loss against the full-vocabulary KL and TV, and resumable
 training (tiny target)."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -237,3 +239,11 @@ def test_train_drafter_head_mode_end_to_end_and_resumes(tmp_path, capsys):
     assert (out / "results.md").read_text().strip() == first.strip()
     assert main(argv) == 0  # everything is on disk: nothing is recomputed
     assert capsys.readouterr().out == first
+    # Another run's settings (here a longer schedule; a grown store likewise changes the
+    # records' digest): the finished heads are kept and not reused silently.
+    longer = list(argv)
+    longer[longer.index("--train-steps") + 1] = "6"
+    assert main(longer) == 2
+    assert re.search(r"kl-seed0 holds a head trained for another run \(differs in steps\)",
+                     capsys.readouterr().err)  # fmt: skip
+    assert (out / "kl-seed0" / "done.json").is_file()

@@ -177,10 +177,14 @@ def train_one(
     from jaxcert.models.eagle import load_head
     from jaxcert.training.eagle import train_head_on_records
 
+    key = run_key(records, objective, seed, settings, vocab)
+    _check_run_key(folder, key)
     if (folder / "done.json").is_file():
         return load_head(folder / "head")
     for stale in ("heldout.json", "decode.json"):  # figures of an earlier head in this folder
         (folder / stale).unlink(missing_ok=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "run.json").write_text(json.dumps(key, indent=1))
     head = EagleHead.from_target(
         target,
         rngs=nnx.Rngs(seed),
@@ -202,6 +206,59 @@ def train_one(
     )
     (folder / "done.json").write_text(json.dumps({"steps": len(history), "last": history[-1]}))
     return head
+
+
+def run_key(
+    records: head_data.HeadRecords,
+    objective: Objective,
+    seed: int,
+    settings: HeadSettings,
+    vocab: np.ndarray | None,
+) -> dict[str, Any]:
+    """What a head folder's training depends on: the trained sequences (a digest of their
+    tokens), the objective, the seed, the head's shape and the optimisation settings."""
+    import hashlib
+
+    digest = hashlib.sha256(np.ascontiguousarray(records.tokens).tobytes()).hexdigest()[:16]
+    vocab_digest = None
+    if vocab is not None:
+        vocab_digest = hashlib.sha256(np.asarray(vocab, np.int64).tobytes()).hexdigest()[:16]
+    return {
+        "records": digest,
+        "sequences": int(records.tokens.shape[0]),
+        "objective": dataclasses.asdict(objective) | {"rule": str(objective.rule)},
+        "seed": seed,
+        "taps": list(settings.taps),
+        "num_layers": settings.num_layers,
+        "draft_vocab": vocab_digest,
+        "steps": settings.steps,
+        "batch_size": settings.batch_size,
+        "learning_rate": settings.learning_rate,
+    }
+
+
+def _check_run_key(folder: pathlib.Path, key: dict[str, Any]) -> None:
+    """Refuses to resume or reuse a head folder trained for another run (a grown store,
+    other settings): its head and checkpoint are kept, and the error says what differs.
+
+    Raises:
+      ValueError: ``folder / 'run.json'`` (or, from before run keys, a checkpoint without
+        one) belongs to another run.
+    """
+    path = folder / "run.json"
+    if path.is_file():
+        saved = json.loads(path.read_text())
+        differ = sorted(k for k in key.keys() | saved.keys() if saved.get(k) != key.get(k))
+        if differ:
+            raise ValueError(
+                f"{folder} holds a head trained for another run (differs in {', '.join(differ)}); "
+                "move it away or choose another --out"
+            )
+    elif (folder / "progress.json").is_file() or (folder / "done.json").is_file():
+        raise ValueError(
+            f"{folder} holds a head without a run key (an earlier version's); move it away or "
+            "choose another --out"
+        )
 
 
 def evaluate_head(
@@ -316,8 +373,8 @@ def compare_heads(
     held = heldout.load()
     vocab = draft_vocabulary(records, settings.draft_vocab)
     rows = []
-    for objective in objectives:
-        for seed in settings.seeds:
+    for seed in settings.seeds:  # every objective at the first seed before the second
+        for objective in objectives:
             name = f"{objective.name}-seed{seed}"
 
             def step_log(i: int, entry: dict[str, float], name: str = name) -> None:
