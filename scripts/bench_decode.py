@@ -96,12 +96,17 @@ def _args(argv=None):
     p.add_argument(
         "--head-policies", default=None, help="policies of the head (default: --policies)"
     )
-    p.add_argument("--prompts", default="mtbench")
+    p.add_argument(
+        "--prompts",
+        default="mtbench",
+        help="prompt set (as jaxcert decode's; 'sharegpt:edit': code-editing requests, the "
+        "task where n-gram drafting pays)",
+    )
     p.add_argument(
         "--per-category",
         type=int,
         default=3,
-        help="prompts per MT-Bench category (the first ones not used for tuning)",
+        help="prompts per category (MT-Bench: the first ones not used for tuning)",
     )
     p.add_argument("--prompt-indices", default=None, help="explicit prompt indices instead")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -138,7 +143,8 @@ def _select(prompt_set, args) -> list:
         return [prompt_set[int(i)] for i in args.prompt_indices.split(",")]
     chosen, per = [], {}
     for i, p in enumerate(prompt_set):
-        if i in TUNING or per.get(p.category, 0) >= args.per_category:
+        tuning = args.prompts == "mtbench" and i in TUNING  # indices into MT-Bench
+        if tuning or per.get(p.category, 0) >= args.per_category:
             continue
         per[p.category] = per.get(p.category, 0) + 1
         chosen.append(p)

@@ -5,13 +5,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+import re
 from collections.abc import Sequence
 
 import numpy as np
 
 from jaxcert.base.validate import check_int
 
-__all__ = ["Prompt", "load_prompts", "encode_prompts", "pad_prompts"]
+__all__ = ["Prompt", "editing_prompts", "load_prompts", "encode_prompts", "pad_prompts"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +113,50 @@ def _read_sharegpt(path: pathlib.Path, turn: int, limit: int | None) -> list[Pro
     return prompts
 
 
+EDIT_VERBS = re.compile(
+    r"\b(fix|modify|refactor|rewrite|change|convert|improve|edit|optimi[sz]e|update|"
+    r"add|remove|rename|clean)\b",
+    re.IGNORECASE,
+)
+EDIT_SKIP = 2000  # conversations before this one are left to training (docs/goodput.md)
+
+
+def editing_prompts(
+    prompt_set: Sequence[Prompt],
+    *,
+    skip: int = EDIT_SKIP,
+    min_chars: int = 300,
+    max_chars: int = 2500,
+    min_code_lines: int = 5,
+) -> list[Prompt]:
+    """The prompts that hand the model a piece of code to change: the task where drafting
+    by prompt lookup (`jaxcert.decoding.NgramDrafter`) is known to pay, since the reply
+    repeats much of the prompt (``docs/goodput.md``, "The editing task").
+
+    A prompt qualifies when it holds a fenced code block (```) of at least
+    ``min_code_lines`` lines, its text outside the code asks for an edit (fix, modify,
+    refactor, rewrite, convert, add, ...), and it is ``min_chars`` to ``max_chars``
+    characters long. The first ``skip`` prompts are passed over (``'sharegpt'``: they
+    are the ones draft heads train on).
+
+    Returns:
+      The qualifying prompts, in order, with category ``'edit'``.
+    """
+    out = []
+    for p in prompt_set[skip:]:
+        if not min_chars <= len(p.text) <= max_chars:
+            continue
+        parts = p.text.split("```")
+        if len(parts) < 3:
+            continue
+        code = parts[1::2]
+        prose = " ".join(parts[0::2])
+        if max(c.count("\n") for c in code) < min_code_lines or not EDIT_VERBS.search(prose):
+            continue
+        out.append(dataclasses.replace(p, category="edit"))
+    return out
+
+
 def load_prompts(source: str, *, turn: int = 0, max_prompts: int | None = None) -> list[Prompt]:
     """Loads prompts from a registry prompt set or a file.
 
@@ -120,6 +165,8 @@ def load_prompts(source: str, *, turn: int = 0, max_prompts: int | None = None) 
     * ``'mtbench'``: the 80 MT-Bench questions (8 categories; ``turn`` 0 or 1).
     * ``'sharegpt'``: the first human turn (``turn``: the ``turn``-th) of each complete
       conversation of the ShareGPT V3 registry copy (17,382), in file order.
+    * ``'sharegpt:edit'``: those of them that ask for an edit of quoted code
+      (:func:`editing_prompts`).
     * a ``.jsonl`` file: each line an object with a string ``prompt`` or a list ``turns``
       (the ``turn``-th entry is used; records with fewer turns, and ``prompt`` records when
       ``turn > 0``, are skipped), and optional ``id`` / ``question_id`` and ``category``.
@@ -129,7 +176,7 @@ def load_prompts(source: str, *, turn: int = 0, max_prompts: int | None = None) 
     The registry sets are downloaded once (``jaxcert fetch``) and cached.
 
     Args:
-      source: ``'mtbench'``, ``'sharegpt'`` or a file path.
+      source: ``'mtbench'``, ``'sharegpt'``, ``'sharegpt:edit'`` or a file path.
       turn: which turn of multi-turn records to use (0 = first).
       max_prompts: keep only the first ``max_prompts``.
 
@@ -145,6 +192,9 @@ def load_prompts(source: str, *, turn: int = 0, max_prompts: int | None = None) 
 
     if max_prompts is not None:
         check_int("max_prompts", max_prompts)
+    if source == "sharegpt:edit":
+        edits = editing_prompts(load_prompts("sharegpt", turn=turn))
+        return edits[:max_prompts] if max_prompts is not None else edits
     sets = assets.names("prompts")
     asset = assets.ASSETS.get(source)
     if asset is not None and asset.kind != "prompts":

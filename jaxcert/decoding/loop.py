@@ -416,9 +416,11 @@ def _commit(state, config, policy, key, tree, d_cache, verified, skipped=False):
             pad = context.shape[1] - path_states.shape[1]  # room for skipped rounds' states
             path_states = jnp.pad(path_states, ((0, 0), (0, pad), (0, 0)))
             context = jnp.where(active[:, None, None], path_states, context)
+        tested = ns.valid & ns.reached & (ns.rank == 0)  # first choices the target tested
         policy_state = policies_lib.update_policy_state(
-            policy, state.policy, drafted=depth, accepted=accepted, active=active
-        )
+            policy, state.policy, drafted=depth, accepted=accepted, active=active,
+            predicted=policies_lib.tested_estimate(policy, ns.q_cert, tested),
+        )  # fmt: skip
     new_state = state.replace(
         tokens=tokens,
         length=length,

@@ -63,6 +63,7 @@ __all__ = [
     "should_skip",
     "init_policy_state",
     "update_policy_state",
+    "tested_estimate",
 ]
 
 DEFAULT_K_MAX = 40
@@ -206,9 +207,10 @@ class Goodput:
     most ``DecodeConfig.max_skip`` rounds in a row; then one round drafts, to measure
     again). While drafting, it keeps going while some deeper draft, its future tokens
     accepted at the last token's rate, has a higher rate than stopping now; drafting zero
-    tokens is one of its choices. A drafted token's estimate is
-    ``min((C_q / log 2) ** beta, r_b)``: the drafter's certificate (as ``cert``) capped by
-    the row's own history, which starts at ``prior``. Derivation: ``docs/goodput.md``.
+    tokens is one of its choices. A drafted token's estimate is ``c_b (C_q / log 2) ** beta``:
+    the drafter's certificate (as ``cert``) scaled by the row's calibration ``c_b``, its
+    accepted tokens over the sum of their estimates, which starts at ``prior``. Derivation:
+    ``docs/goodput.md``.
 
     Attributes:
       prior: acceptance rate per token assumed before a row has drafted, in ``(0, 1)``.
@@ -433,6 +435,7 @@ def init_policy_state(params: PolicyParams, batch: int) -> PolicyState:
         k=jnp.full((batch,), params.k, jnp.int32),
         accepted=jnp.full((batch,), params.prior, jnp.float32),
         tested=jnp.ones((batch,), jnp.float32),
+        predicted=jnp.ones((batch,), jnp.float32),
         skipped=jnp.zeros((batch,), jnp.int32),
     )
 
@@ -503,17 +506,35 @@ def should_skip(params: PolicyParams, state: PolicyState, active: jax.Array, max
 
 def _token_estimate(params: PolicyParams, state: PolicyState, features: DrafterFeatures):
     """``goodput``'s acceptance estimate of a drafted token: ``[B]``, the certificate
-    estimate ``(C_q / log 2) ** beta`` capped by the row's rate (a point-mass ``q``, as
-    prompt lookup drafts, has estimate 1: the rate decides)."""
-    ratio = _cert_ratio(features)
+    estimate ``(C_q / log 2) ** beta`` times the row's calibration ``accepted / predicted``
+    (a point-mass ``q``, as prompt lookup drafts, has certificate estimate 1: its rate
+    decides), in ``[0, 0.999]``."""
+    ratio = _cert_ratio(features.cert)
     ratio = jnp.where(jnp.isnan(ratio), 0.0, ratio)
-    return jnp.minimum(ratio ** jnp.maximum(params.beta, 1e-6), _rate(state))
+    calibration = state.accepted / jnp.maximum(state.predicted, 1e-6)
+    return jnp.clip(calibration * ratio ** jnp.maximum(params.beta, 1e-6), 0.0, 0.999)
 
 
-def _cert_ratio(features: DrafterFeatures) -> jax.Array:
-    """``[B]`` ``C_q / log 2`` in ``[0, 1]``: the drafter's normalised robustness, which
-    ``cert`` and ``goodput`` raise to ``beta`` as an acceptance estimate."""
-    return jnp.clip(features.cert / jnp.log(2.0), 0.0, 1.0)
+def tested_estimate(params: PolicyParams, q_cert: jax.Array, tested: jax.Array) -> jax.Array:
+    """The sum of the certificate estimates ``(C_q / log 2) ** beta`` of a round's tested
+    tokens: ``[B]`` float32, for :func:`update_policy_state`.
+
+    Args:
+      params: the policy (its ``beta``).
+      q_cert: ``[B, N]`` the drafter's certificate ``C_q`` at each drafted node (``nan``
+        for a proposing drafter's point mass: estimate 1).
+      tested: ``[B, N]`` bool the nodes the target tested: the drafter's first choice below
+        the root and below every accepted node.
+    """
+    ratio = jnp.where(jnp.isnan(q_cert), 1.0, _cert_ratio(q_cert))
+    estimate = ratio ** jnp.maximum(params.beta, 1e-6)
+    return jnp.sum(jnp.where(tested, estimate, 0.0), axis=-1)
+
+
+def _cert_ratio(cert: jax.Array) -> jax.Array:
+    """``C_q / log 2`` in ``[0, 1]`` (any shape): the drafter's normalised robustness,
+    which ``cert`` and ``goodput`` raise to ``beta`` as an acceptance estimate."""
+    return jnp.clip(cert / jnp.log(2.0), 0.0, 1.0)
 
 
 def should_continue(
@@ -540,7 +561,7 @@ def should_continue(
       ``(continue, survival)``: ``[B]`` bool, ``False`` once ``drafted >= k_max``, and the
       updated :class:`Survival`.
     """
-    ratio = _cert_ratio(features)
+    ratio = _cert_ratio(features.cert)
     goodput = params.kind == _KINDS.index("goodput")
     a = jnp.where(goodput, _token_estimate(params, state, features), ratio**params.beta)
     prob = survival.prob * jnp.where(params.beta > 0, a, 1)
@@ -568,6 +589,7 @@ def update_policy_state(
     drafted: jax.Array,
     accepted: jax.Array,
     active: jax.Array,
+    predicted: jax.Array | None = None,
 ) -> PolicyState:
     """The state after a round that drafted (the ``heuristic`` schedule, ``goodput``'s
     acceptance counts; its skip count returns to 0).
@@ -578,16 +600,21 @@ def update_policy_state(
       drafted: ``[B]`` int32 draft length (depth) of the round.
       accepted: ``[B]`` int32 accepted drafted tokens.
       active: ``[B]`` bool rows that took part (others keep their state).
+      predicted: ``[B]`` float32 the sum of the tested tokens' certificate estimates
+        (:func:`tested_estimate`); ``None``: estimate 1 for each.
     """
     full = accepted >= drafted
     k = jnp.where(full, state.k + 2, jnp.maximum(state.k - 1, 1))
     tested = jnp.minimum(drafted, accepted + 1).astype(jnp.float32)  # the first rejected too
+    if predicted is None:
+        predicted = tested
     keep = jnp.where(active & (drafted > 0), params.memory, 1.0)
     fresh = 1.0 - keep
     return PolicyState(
         k=jnp.where(active, jnp.minimum(k, params.k_max), state.k),
         accepted=keep * state.accepted + fresh * accepted.astype(jnp.float32),
         tested=keep * state.tested + fresh * tested,
+        predicted=keep * state.predicted + fresh * predicted,
         skipped=jnp.zeros_like(state.skipped),
     )
 

@@ -75,6 +75,8 @@ class PolicyState:
       accepted: ``[B]`` float32 ``goodput``'s running (exponentially weighted) count of
         accepted drafted tokens; ``tested`` the same of drafted tokens the target tested
         (a rejected one included). Their ratio is the row's acceptance rate per token.
+      predicted: ``[B]`` float32 the same sum of the tested tokens' certificate estimates
+        ``(C_q / log 2) ** beta``; ``accepted / predicted`` calibrates the estimate.
       skipped: ``[B]`` int32 rounds in a row that ``goodput`` ran as plain target steps
         without the drafter (equal in every row: the choice is made for the batch).
     """
@@ -82,6 +84,7 @@ class PolicyState:
     k: jax.Array  # [B]
     accepted: jax.Array  # [B]
     tested: jax.Array  # [B]
+    predicted: jax.Array  # [B]
     skipped: jax.Array  # [B]
 
     if TYPE_CHECKING:  # struct.dataclass adds it at run time, out of mypy's sight

@@ -91,6 +91,32 @@ def test_the_running_rate_follows_acceptance():
     assert P.skipped_round(state).skipped.tolist() == [1, 1]
 
 
+def test_the_estimate_is_the_certificate_calibrated_by_the_row():
+    """A token's estimate is ``(accepted / predicted) * (C_q / log 2) ** beta``: a row whose
+    tokens were accepted half as often as their certificates said gets half the estimate;
+    a confident token gets more than a doubtful one at the same row rate."""
+    params = P.PolicyParams.from_policy(P.Goodput(prior=0.6, beta=0.5, memory=0.0))
+    state = P.init_policy_state(params, 2)
+    q = jnp.log(jnp.asarray([[0.999, 0.0005, 0.0005], [0.5, 0.45, 0.05]]))
+    feats = P.drafter_features(q)
+    ratio = np.clip(np.asarray(feats.cert) / np.log(2.0), 0, 1) ** 0.5
+    np.testing.assert_allclose(P._token_estimate(params, state, feats), 0.6 * ratio, rtol=1e-5)
+    assert ratio[0] > 0.95 and ratio[1] < 0.5  # confident vs doubtful
+    # Tested nodes' certificate estimates: node 2 was not tested; nan is a point mass (1).
+    q_cert = jnp.asarray([[np.log(2.0), 0.25 * np.log(2.0), 0.1], [np.nan, 0.0, 0.0]])
+    tested = jnp.asarray([[True, True, False], [True, True, False]])
+    predicted = P.tested_estimate(params, q_cert, tested)
+    np.testing.assert_allclose(predicted, [1.0 + 0.5, 1.0 + 0.0], rtol=1e-6)
+    # Row 0 accepted 1 of 2 tested (predicted 1.5), row 1 both of 2 (predicted 1).
+    state = P.update_policy_state(
+        params, state, drafted=jnp.array([3, 2]), accepted=jnp.array([1, 2]),
+        active=jnp.array([True, True]), predicted=predicted,
+    )  # fmt: skip
+    np.testing.assert_allclose(state.predicted, [1.5, 1.0])
+    got = P._token_estimate(params, state, feats)
+    np.testing.assert_allclose(got, np.minimum([ratio[0] / 1.5, 2.0 * ratio[1]], 0.999), rtol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def pair():
     target = random_model(CONFIG, seed=3)
