@@ -13,19 +13,21 @@ Per configuration: the speedup over target-only (ratio of total tokens/s) with a
 bootstrap interval over prompts, the acceptance length, and at T = 0 whether every output
 equals target-only greedy decoding. Pairs of configurations are compared by a paired
 bootstrap of their speedup ratio over prompts (cert vs svip and svip vs constant per shape;
-the fastest configuration vs each other one); a difference is called significant when the
-interval of the ratio excludes 1.
+goodput vs every other policy of its shape; the fastest configuration vs each other one); a
+difference is called significant when the interval of the ratio excludes 1.
 
-Also (``--batch-sizes``): tokens/s of whole batches for target-only and the best
-configuration; and (``--hf-peer``) Hugging Face transformers on the same GGUF pair, same token
-ids, greedy, 2 threads: target-only and assisted generation (heuristic and constant
-schedules).
+``--batch-sizes 1,4,8`` runs the whole protocol at each batch size: a unit is then a batch
+of consecutive prompts (decoded together, timed together, the unit of the bootstrap), and
+every row and comparison carries its batch size. ``goodput`` measures the pass costs at
+each batch size (cached). ``--hf-peer`` adds Hugging Face transformers on the same GGUF
+pair, same token ids, greedy, 2 threads: target-only and assisted generation (heuristic and
+constant schedules).
 
 Examples: the full protocol, and the reduced run of the table in docs/benchmarks.md::
 
   python scripts/bench_decode.py --batch-sizes 1,4,8 --hf-peer
   python scripts/bench_decode.py --per-category 1 --max-new-tokens 64 --temperatures 0 \\
-      --tree-policies svip:0.3,cert --batch-sizes 1,4,8 --hf-peer --hf-prompts 2
+      --tree-policies svip:0.3,cert --hf-peer --hf-prompts 2
 
 A trained draft head (``--head FOLDER``, from ``jaxcert train-drafter --head``) adds the
 configurations ``head/<shape>`` (``--head-shapes``, ``--head-policies``), timed in the same
@@ -124,7 +126,12 @@ def _args(argv=None):
         default=None,
         help="chain verification widths, e.g. 1,2,4,8,16,24,40 (default: DecodeConfig's)",
     )
-    p.add_argument("--batch-sizes", default="", help="e.g. 1,4,8: whole-batch throughput")
+    p.add_argument(
+        "--batch-sizes",
+        default="1",
+        help="e.g. 1,4,8: the whole protocol at each batch size, a unit of the bootstrap "
+        "being one batch of consecutive prompts (default %(default)s)",
+    )
     p.add_argument("--hf-peer", action="store_true", help="also time transformers (PyTorch)")
     p.add_argument("--hf-threads", type=int, default=2)
     p.add_argument("--hf-prompts", type=int, default=None, help="the first N prompts only")
@@ -201,10 +208,17 @@ class _Runs:
         return float(np.sum(self.tokens) / np.sum(self.seconds))
 
 
+def _units(encoded, batch: int) -> list:
+    """Consecutive groups of ``batch`` prompts (a remainder that fills no group is left out)."""
+    usable = len(encoded) // batch * batch
+    return [encoded[i : i + batch] for i in range(0, usable, batch)]
+
+
 def _decode_all(target, drafters, encoded, args, eos, temperatures, policies, shapes, log, save):
-    """Every configuration on every prompt; compilation (the first call of each program) is
-    timed apart (``compile_s``) and not in the decode seconds. ``save(results)`` runs after
-    every prompt, so an interrupted run keeps what it measured."""
+    """Every configuration on every unit (a batch of ``b`` prompts, for each ``b`` of
+    ``--batch-sizes``); compilation (the first call of each program) is not in the decode
+    seconds. ``save(results)`` runs after every unit, so an interrupted run keeps what it
+    measured. Results are keyed ``(batch, temperature, shape, policy spec)``."""
     width = decoding.bucket(max(len(e) for e in encoded))
     results: dict = {}
     key = jax.random.key(args.seed)
@@ -226,57 +240,72 @@ def _decode_all(target, drafters, encoded, args, eos, temperatures, policies, sh
     order += [(s, p) for s in shapes if s.startswith("head/") for p in head_pols]
     ngram_pols = [decoding.parse_policy(p) for p in args.ngram_policies.split(",")]
     order += [(s, p) for s in shapes if s.startswith("ngram/") for p in ngram_pols]
-    for temperature in temperatures:
-        configs = {shape: _config(shape, temperature, args, eos) for shape in shapes}
-        kw = dict(
-            max_new_tokens=args.max_new_tokens,
-            temperature=temperature,
-            eos_ids=eos,
-            prompt_width=width,
-        )
-        base = results.setdefault((temperature, "target", "-"), _Runs())
-        for i, prompt in enumerate(encoded):
-            key, sub = jax.random.split(key)
-            first = decoding.target_decode(target, [prompt], key=sub, **kw)
-            outs = {}
-            for j in rng.permutation(len(order)):  # a new order per prompt: no drift bias
-                shape, policy = order[j]
-                key, sub = jax.random.split(key)
-                outs[shape, policy.spec] = decoding.speculative_decode(
-                    target,
-                    _drafter(drafters, shape),
-                    [prompt],
-                    policy=policy,
-                    config=configs[shape],
-                    key=sub,
-                    prompt_width=width,
-                )
-            again = decoding.target_decode(target, [prompt], key=sub, **kw)
-            seconds = (first.decode_s + again.decode_s) / 2
-            base.add(first.num_tokens, seconds)
-            for (shape, spec), out in outs.items():
-                same = bool(np.array_equal(out.tokens[0], first.tokens[0]))
-                results.setdefault((temperature, shape, spec), _Runs()).add(
-                    out.num_tokens, out.decode_s, out.stats, same if temperature == 0 else None
-                )
-            best = max(outs.items(), key=lambda kv: kv[1].num_tokens / kv[1].decode_s)
-            log(
-                f"[bench] T={temperature} prompt {i + 1}/{len(encoded)}: target "
-                f"{first.num_tokens / seconds:.2f} tok/s, best {best[0]} "
-                f"{best[1].num_tokens / best[1].decode_s:.2f} tok/s"
+    for batch in _batch_sizes(args):
+        units = _units(encoded, batch)
+        if len(units) * batch < len(encoded):
+            log(f"[bench] batch {batch}: the last {len(encoded) - len(units) * batch} prompts "
+                "fill no batch and are left out")  # fmt: skip
+        for temperature in temperatures:
+            configs = {shape: _config(shape, temperature, args, eos) for shape in shapes}
+            kw = dict(
+                max_new_tokens=args.max_new_tokens,
+                temperature=temperature,
+                eos_ids=eos,
+                prompt_width=width,
             )
-            save(results)
+            base = results.setdefault((batch, temperature, "target", "-"), _Runs())
+            for i, unit in enumerate(units):
+                key, sub = jax.random.split(key)
+                first = decoding.target_decode(target, unit, key=sub, **kw)
+                outs = {}
+                for j in rng.permutation(len(order)):  # a new order per unit: no drift bias
+                    shape, policy = order[j]
+                    key, sub = jax.random.split(key)
+                    outs[shape, policy.spec] = decoding.speculative_decode(
+                        target,
+                        _drafter(drafters, shape),
+                        unit,
+                        policy=policy,
+                        config=configs[shape],
+                        key=sub,
+                        prompt_width=width,
+                    )
+                again = decoding.target_decode(target, unit, key=sub, **kw)
+                seconds = (first.decode_s + again.decode_s) / 2
+                base.add(first.num_tokens, seconds)
+                for (shape, spec), out in outs.items():
+                    same = all(
+                        np.array_equal(a, b) for a, b in zip(out.tokens, first.tokens, strict=True)
+                    )
+                    results.setdefault((batch, temperature, shape, spec), _Runs()).add(
+                        out.num_tokens, out.decode_s, out.stats, same if temperature == 0 else None
+                    )
+                best = max(outs.items(), key=lambda kv: kv[1].num_tokens / kv[1].decode_s)
+                log(
+                    f"[bench] batch {batch} T={temperature} unit {i + 1}/{len(units)}: target "
+                    f"{first.num_tokens / seconds:.2f} tok/s, best {best[0]} "
+                    f"{best[1].num_tokens / best[1].decode_s:.2f} tok/s"
+                )
+                save(results)
     return results, width
+
+
+def _batch_sizes(args) -> list[int]:
+    sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
+    if not sizes or min(sizes) < 1:
+        raise SystemExit(f"--batch-sizes: positive integers, got {args.batch_sizes!r}")
+    return sizes
 
 
 def _rows(results):
     rows = []
-    for (temperature, shape, policy), runs in results.items():
-        base = results[(temperature, "target", "-")]
+    for (batch, temperature, shape, policy), runs in results.items():
+        base = results[(batch, temperature, "target", "-")]
         speedup, low, high = run_report.bootstrap_speedup(
             base.tokens, base.seconds, runs.tokens, runs.seconds
         )
         row = {
+            "batch": batch,
             "temperature": temperature,
             "shape": shape,
             "policy": policy,
@@ -299,11 +328,12 @@ def _rows(results):
     return rows
 
 
-def _paired(results, t, a, b) -> dict:
-    """Speedup of configuration ``a`` over ``b`` (each ``(shape, policy)``), paired by prompt."""
-    ra, rb = results[(t, *a)], results[(t, *b)]
+def _paired(results, batch, t, a, b) -> dict:
+    """Speedup of configuration ``a`` over ``b`` (each ``(shape, policy)``), paired by unit."""
+    ra, rb = results[(batch, t, *a)], results[(batch, t, *b)]
     ratio, low, high = run_report.bootstrap_speedup(rb.tokens, rb.seconds, ra.tokens, ra.seconds)
     return {
+        "batch": batch,
         "temperature": t,
         "a": " ".join(a),
         "b": " ".join(b),
@@ -314,62 +344,29 @@ def _paired(results, t, a, b) -> dict:
 
 
 def _comparisons(results, temperatures, shapes):
-    """Paired intervals: cert vs svip and svip vs constant per shape, and the fastest
-    configuration of each temperature against every other one."""
-    pairs = []  # (t, a, b) with a, b = (shape, policy spec); each pair once
-    for t in temperatures:
-        spec = [k[1:] for k in results if k[0] == t and k[1] != "target"]
+    """Paired intervals, per batch size and temperature: cert vs svip and svip vs constant
+    per shape, goodput vs every other policy of its shape, and the fastest configuration
+    against every other one."""
+    pairs = []  # (batch, t, a, b) with a, b = (shape, policy spec); each pair once
+    for batch, t in dict.fromkeys(k[:2] for k in results):
+        spec = [k[2:] for k in results if k[:2] == (batch, t) and k[2] != "target"]
         if spec:
-            best = max(spec, key=lambda k: results[(t, *k)].rate)
-            pairs += [(t, best, other) for other in spec if other != best]
+            best = max(spec, key=lambda k: results[(batch, t, *k)].rate)
+            pairs += [(batch, t, best, other) for other in spec if other != best]
         for shape in shapes:
-            specs = {p.split(":")[0]: p for (tt, s, p) in results if tt == t and s == shape}
+            specs = {
+                p.split(":")[0]: p for (bb, tt, s, p) in results if (bb, tt, s) == (batch, t, shape)
+            }
             for a, b in (("cert", "svip"), ("svip", "constant")):
                 if a in specs and b in specs:
-                    pairs.append((t, (shape, specs[a]), (shape, specs[b])))
+                    pairs.append((batch, t, (shape, specs[a]), (shape, specs[b])))
+            if "goodput" in specs:
+                pairs += [
+                    (batch, t, (shape, specs["goodput"]), (shape, p))
+                    for name, p in specs.items()
+                    if name != "goodput"
+                ]
     return [_paired(results, *pair) for pair in dict.fromkeys(pairs)]
-
-
-def _batches(target, drafters, encoded, args, eos, best, width, log):
-    """Whole-batch tokens/s of target-only and the best configuration (T = 0)."""
-    rows = []
-    shape, spec = best
-    config = _config(shape, 0.0, args, eos)
-    policy = decoding.parse_policy(spec)
-    for b in (int(x) for x in args.batch_sizes.split(",") if x):
-        usable = len(encoded) // b * b
-        batches = [encoded[i : i + b] for i in range(0, usable, b)]
-        for name in ("target", "speculative"):
-            tokens = seconds = 0.0
-            for batch in batches:  # decode_s excludes compilation
-                if name == "target":
-                    out = decoding.target_decode(
-                        target,
-                        batch,
-                        max_new_tokens=args.max_new_tokens,
-                        eos_ids=eos,
-                        prompt_width=width,
-                    )
-                else:
-                    out = decoding.speculative_decode(
-                        target,
-                        _drafter(drafters, shape),
-                        batch,
-                        policy=policy,
-                        config=config,
-                        prompt_width=width,
-                    )
-                tokens += out.num_tokens
-                seconds += out.decode_s
-            rows.append(
-                {
-                    "batch": b,
-                    "run": name if name == "target" else f"{shape} {spec}",
-                    "tokens_per_s": round(tokens / seconds, 3) if seconds else None,
-                }
-            )
-            log(f"[bench] batch {b} {name}: {rows[-1]['tokens_per_s']} tok/s")
-    return rows
 
 
 def _hf_peer(args, encoded, log):
@@ -481,53 +478,43 @@ def main(argv=None) -> int:
     )
     rows = _rows(results)
     comparisons = _comparisons(results, temperatures, shapes)
-    greedy = [r for r in rows if r["temperature"] == 0 and r["shape"] != "target"]
-    best = max(greedy, key=lambda r: r["speedup"]) if greedy else None
-    batch_rows = []
-    if args.batch_sizes and best is not None:
-        batch_rows = _batches(
-            target, drafters, encoded, args, eos, (best["shape"], best["policy"]), width, log
-        )
-        write(rows=rows, comparisons=comparisons, batches=batch_rows)
     hf_rows = []
     if args.hf_peer:
         del target, drafters
         gc.collect()
         hf_rows = _hf_peer(args, encoded, log)
-    print(_tables(rows, comparisons, batch_rows, hf_rows))
-    write(rows=rows, comparisons=comparisons, batches=batch_rows, hf=hf_rows)
+    print(_tables(rows, comparisons, hf_rows))
+    write(rows=rows, comparisons=comparisons, hf=hf_rows)
     log(f"[bench] wrote {args.out} in {meta['total_s']:.0f} s")
     return 0
 
 
-def _tables(rows, comparisons, batch_rows, hf_rows) -> str:
+def _tables(rows, comparisons, hf_rows) -> str:
     lines = [
-        "| T | draft | policy | tokens/s | speedup [95% CI] | accepted/round | "
+        "| batch | T | draft | policy | tokens/s | speedup [95% CI] | accepted/round | "
         "tokens/round | identical |",
-        "|" + "---|" * 8,
+        "|" + "---|" * 9,
     ]
     for r in rows:
         lo, hi = r["ci95"]
         lines.append(
-            f"| {r['temperature']:g} | {r['shape']} | {r['policy']} | {r['tokens_per_s']:.2f} | "
+            f"| {r['batch']} | {r['temperature']:g} | {r['shape']} | {r['policy']} | "
+            f"{r['tokens_per_s']:.2f} | "
             f"{r['speedup']:.2f} [{lo:.2f}, {hi:.2f}] | {r.get('mean_accepted', '')} | "
             f"{r.get('tokens_per_round', '')} | {r.get('identical', '')} |"
         )
     if comparisons:
         lines += [
             "",
-            "| T | A vs B | ratio [95% CI] | significant |",
-            "|---|---|---|---|",
+            "| batch | T | A vs B | ratio [95% CI] | significant |",
+            "|---|---|---|---|---|",
         ]
         for c in comparisons:
             lo, hi = c["ci95"]
             lines.append(
-                f"| {c['temperature']:g} | {c['a']} vs {c['b']} | "
+                f"| {c['batch']} | {c['temperature']:g} | {c['a']} vs {c['b']} | "
                 f"{c['ratio']:.3f} [{lo:.3f}, {hi:.3f}] | {c['significant']} |"
             )
-    if batch_rows:
-        lines += ["", "| batch | run | tokens/s (whole batch) |", "|---|---|---|"]
-        lines += [f"| {r['batch']} | {r['run']} | {r['tokens_per_s']} |" for r in batch_rows]
     if hf_rows:
         lines += ["", "| peer | tokens/s | speedup [95% CI] |", "|---|---|---|"]
         for r in hf_rows:
