@@ -93,10 +93,15 @@ def _args(argv=None):
     )
     p.add_argument("--ngram-shapes", default="chain", help="shapes drafted by --ngram")
     p.add_argument(
-        "--ngram-policies", default="constant:4,goodput", help="policies of the n-gram drafter"
+        "--ngram-policies",
+        default="constant:4,goodput",
+        help="policies of the n-gram drafter (POLICY@SHAPE as --head-policies)",
     )
     p.add_argument(
-        "--head-policies", default=None, help="policies of the head (default: --policies)"
+        "--head-policies",
+        default=None,
+        help="policies of the head (default: --policies); POLICY@SHAPE for one shape only, "
+        "e.g. constant:2,goodput@chain",
     )
     p.add_argument(
         "--prompts",
@@ -234,12 +239,18 @@ def _decode_all(target, drafters, encoded, args, eos, temperatures, policies, sh
         for p in policies
         if s == "chain" or p in tree_pols
     ]
-    head_pols = policies
+    head_pols = [(p, None) for p in policies]
     if args.head_policies:
-        head_pols = [decoding.parse_policy(p) for p in args.head_policies.split(",")]
-    order += [(s, p) for s in shapes if s.startswith("head/") for p in head_pols]
-    ngram_pols = [decoding.parse_policy(p) for p in args.ngram_policies.split(",")]
-    order += [(s, p) for s in shapes if s.startswith("ngram/") for p in ngram_pols]
+        head_pols = [_restricted(p) for p in args.head_policies.split(",")]
+    order += [
+        (s, p) for s in shapes if s.startswith("head/") for p, only in head_pols
+        if only in (None, s.split("/", 1)[1])
+    ]  # fmt: skip
+    ngram_pols = [_restricted(p) for p in args.ngram_policies.split(",")]
+    order += [
+        (s, p) for s in shapes if s.startswith("ngram/") for p, only in ngram_pols
+        if only in (None, s.split("/", 1)[1])
+    ]  # fmt: skip
     for batch in _batch_sizes(args):
         units = _units(encoded, batch)
         if len(units) * batch < len(encoded):
@@ -288,6 +299,12 @@ def _decode_all(target, drafters, encoded, args, eos, temperatures, policies, sh
                 )
                 save(results)
     return results, width
+
+
+def _restricted(spec: str):
+    """``POLICY`` (every shape of its drafter) or ``POLICY@SHAPE`` (that shape only)."""
+    policy, _, shape = spec.partition("@")
+    return decoding.parse_policy(policy), shape or None
 
 
 def _batch_sizes(args) -> list[int]:
