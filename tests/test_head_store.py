@@ -247,3 +247,36 @@ def test_train_drafter_head_mode_end_to_end_and_resumes(tmp_path, capsys):
     assert re.search(r"kl-seed0 holds a head trained for another run \(differs in steps\)",
                      capsys.readouterr().err)  # fmt: skip
     assert (out / "kl-seed0" / "done.json").is_file()
+
+
+def test_summary_pools_seeds_and_the_decoded_ones_only():
+    """Per objective, seeds are averaged per held-out sequence; decoder figures pool the
+    seeds that were decoded (``--decode-seeds``); paired differences are against ``kl``."""
+    from types import SimpleNamespace
+
+    from jaxcert.training import head_recipe
+
+    def row(objective, seed, kl, tokens=None):
+        decode = {}
+        if tokens is not None:
+            decode = {"T0": {"tokens_per_round": np.asarray(tokens, float)}}
+        per = {"kl": np.asarray(kl, float), "agreement": np.asarray(kl, float) / 10}
+        return {"objective": objective, "seed": seed, "head": f"{objective}-{seed}",
+                "per_sequence": per, "decode": decode}  # fmt: skip
+
+    rows = [
+        row("kl", 0, [4.0, 6.0, 5.0], [1.2, 1.4]),
+        row("kl", 1, [6.0, 8.0, 7.0]),
+        row("kl+tv", 0, [3.0, 5.0, 4.0], [1.5, 1.5]),
+        row("kl+tv", 1, [5.0, 7.0, 6.0]),
+    ]
+    store = SimpleNamespace(positions=100, sequences=3)
+    summary = head_recipe.summarize(rows, store, head_recipe.HeadSettings())
+    kl, tv = summary["objectives"]["kl"], summary["objectives"]["kl+tv"]
+    assert kl["kl"][0] == pytest.approx(6.0) and tv["kl"][0] == pytest.approx(5.0)
+    assert kl["seeds"] == [0, 1] and kl["decoded_seeds"] == [0]
+    assert kl["T0_tokens_per_round"][0] == pytest.approx(1.3)
+    assert tv["diff:kl"][0] == pytest.approx(-1.0) and tv["diff:kl"][2] == pytest.approx(-1.0)
+    assert tv["diff:T0_tokens_per_round"][0] == pytest.approx(0.2)
+    table = head_recipe.results_table(summary)
+    assert "-1.0000 [-1.0000, -1.0000]*" in table and "decoded_seeds" not in table

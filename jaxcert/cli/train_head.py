@@ -78,6 +78,13 @@ def add_head_arguments(p: argparse.ArgumentParser) -> None:
         "each category in turn; 0 skips it (default %(default)s)",
     )
     g.add_argument(
+        "--decode-seeds",
+        type=positive,
+        default=None,
+        help="decode with the heads of the first N seeds only (the decoder figures are the "
+        "costly part of the evaluation; default: every seed)",
+    )
+    g.add_argument(
         "--decode-source",
         default="mtbench",
         help="prompt set of the decoded prompts (as --prompts; default %(default)s)",
@@ -149,7 +156,8 @@ def run(args: argparse.Namespace) -> int:
     decode_prompts = head_recipe.decode_prompt_ids(target, args.decode_source, args.decode_prompts)
     rows = head_recipe.compare_heads(
         target.model, store, heldout, objectives, settings, out,
-        decode_prompts=decode_prompts, decode_tokens=args.decode_tokens,
+        decode_prompts=decode_prompts, decode_seeds=args.decode_seeds,
+        decode_tokens=args.decode_tokens,
         draft_length=args.draft_length, eos_ids=target.config.eos_token_ids, log=log,
     )  # fmt: skip
     summary = head_recipe.summarize(rows, store, settings)

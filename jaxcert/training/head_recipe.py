@@ -360,6 +360,7 @@ def compare_heads(
     out: pathlib.Path,
     *,
     decode_prompts: Sequence[Sequence[int]] = (),
+    decode_seeds: int | None = None,
     decode_tokens: int = 64,
     draft_length: int = 5,
     eos_ids: Sequence[int] = (),
@@ -368,12 +369,14 @@ def compare_heads(
     """Trains (or resumes, or reloads) one head per objective and seed, evaluates each on
     the held-out records, and decodes ``decode_prompts`` with it at T = 0 and T = 1
     (:func:`decode_heads`; kept in the head's ``decode.json``): one row per head, with its
-    per-sequence arrays (``per_sequence``) and per-prompt decoder figures (``decode``)."""
+    per-sequence arrays (``per_sequence``) and per-prompt decoder figures (``decode``,
+    empty for the seeds after the first ``decode_seeds``; ``None``: every seed)."""
     records = store.load()
     held = heldout.load()
     vocab = draft_vocabulary(records, settings.draft_vocab)
     rows = []
-    for seed in settings.seeds:  # every objective at the first seed before the second
+    for n_seed, seed in enumerate(settings.seeds):  # every objective at a seed, then the next
+        decoded_seed = decode_seeds is None or n_seed < decode_seeds
         for objective in objectives:
             name = f"{objective.name}-seed{seed}"
 
@@ -390,7 +393,7 @@ def compare_heads(
             metrics = _evaluate_cached(head, held, heldout, out / name / "heldout.json")
             head_folder = str(out / name / "head")
             decoded = _decode_cached(
-                target, head, out / name / "decode.json", decode_prompts,
+                target, head, out / name / "decode.json", decode_prompts if decoded_seed else (),
                 draft_length=draft_length, max_new_tokens=decode_tokens, eos_ids=eos_ids,
             )  # fmt: skip
             rows.append({"objective": objective.name, "seed": seed, "head": head_folder,
@@ -457,8 +460,9 @@ def summarize(rows: Sequence[dict], store: head_data.Store, settings: HeadSettin
     for name, group in by_objective.items():
         metrics = {k: np.mean([r["per_sequence"][k] for r in group], axis=0)
                    for k in group[0]["per_sequence"]}  # fmt: skip
-        for t in group[0].get("decode", {}):
-            runs = [r["decode"][t]["tokens_per_round"] for r in group]
+        decoded = [r for r in group if r.get("decode")]  # the seeds decoded
+        for t in decoded[0]["decode"] if decoded else ():
+            runs = [r["decode"][t]["tokens_per_round"] for r in decoded]
             metrics[f"{t}_tokens_per_round"] = np.mean(runs, axis=0)
         pooled[name] = metrics
     base = next(iter(pooled))
@@ -468,6 +472,7 @@ def summarize(rows: Sequence[dict], store: head_data.Store, settings: HeadSettin
         if name != base:
             entry |= {f"diff:{k}": bootstrap_mean(v - pooled[base][k]) for k, v in metrics.items()}
         entry["seeds"] = [r["seed"] for r in by_objective[name]]
+        entry["decoded_seeds"] = [r["seed"] for r in by_objective[name] if r.get("decode")]
         entry["per_seed_kl"] = [float(r["per_sequence"]["kl"].mean()) for r in by_objective[name]]
         objectives[name] = entry
     return {
@@ -489,7 +494,7 @@ def results_table(summary: dict) -> str:
     metrics = [
         k for k in next(iter(objectives.values())) if ":" not in k or k.startswith("certified")
     ]
-    metrics = [k for k in metrics if k not in ("seeds", "per_seed_kl")]
+    metrics = [k for k in metrics if k not in ("seeds", "decoded_seeds", "per_seed_kl")]
     diffs = ("kl", "agreement", "T0_tokens_per_round", "T1_tokens_per_round")
 
     def cell(v: tuple[float, float, float]) -> str:
