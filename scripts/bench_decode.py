@@ -75,7 +75,7 @@ def _args(argv=None):
     p.add_argument(
         "--drafter",
         default="qwen2.5-coder-0.5b-instruct",
-        help="the LM drafter ('none': only --head configurations)",
+        help="the LM drafter ('none': only --head and --ngram configurations)",
     )
     p.add_argument(
         "--head",
