@@ -118,7 +118,7 @@ EDIT_VERBS = re.compile(
     r"add|remove|rename|clean)\b",
     re.IGNORECASE,
 )
-EDIT_SKIP = 2000  # conversations before this one are left to training (docs/goodput.md)
+EDIT_SKIP = 2000  # ShareGPT conversations before this one are left to training
 
 
 def editing_prompts(
@@ -131,7 +131,7 @@ def editing_prompts(
 ) -> list[Prompt]:
     """The prompts that hand the model a piece of code to change: the task where drafting
     by prompt lookup (`jaxcert.decoding.NgramDrafter`) is known to pay, since the reply
-    repeats much of the prompt (``docs/goodput.md``, "The editing task").
+    repeats much of the prompt (``docs/cli.md``, "Prompts").
 
     A prompt qualifies when it holds a fenced code block (```) of at least
     ``min_code_lines`` lines, its text outside the code asks for an edit (fix, modify,
