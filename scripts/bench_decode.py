@@ -172,8 +172,13 @@ def _drafter(drafters: dict, shape: str):
     return drafters[shape.split("/")[0] if shape.startswith(_OTHER) else "lm"]
 
 
+def _bare(shape: str) -> str:
+    """The draft shape of a configuration: ``head/chain`` and ``ngram/chain`` draft ``chain``."""
+    return shape.split("/", 1)[1] if shape.startswith(_OTHER) else shape
+
+
 def _config(shape: str, temperature: float, args, eos) -> decoding.DecodeConfig:
-    shape = shape.split("/", 1)[1] if shape.startswith(_OTHER) else shape
+    shape = _bare(shape)
     rule = "greedy" if temperature == 0 else "sample"
     verify = rule if shape == "chain" else f"{shape}+{rule}"
     buckets = None
@@ -242,15 +247,12 @@ def _decode_all(target, drafters, encoded, args, eos, temperatures, policies, sh
     head_pols = [(p, None) for p in policies]
     if args.head_policies:
         head_pols = [_restricted(p) for p in args.head_policies.split(",")]
-    order += [
-        (s, p) for s in shapes if s.startswith("head/") for p, only in head_pols
-        if only in (None, s.split("/", 1)[1])
-    ]  # fmt: skip
     ngram_pols = [_restricted(p) for p in args.ngram_policies.split(",")]
-    order += [
-        (s, p) for s in shapes if s.startswith("ngram/") for p, only in ngram_pols
-        if only in (None, s.split("/", 1)[1])
-    ]  # fmt: skip
+    for prefix, pols in (("head/", head_pols), ("ngram/", ngram_pols)):
+        order += [
+            (s, p) for s in shapes if s.startswith(prefix) for p, only in pols
+            if only in (None, _bare(s))
+        ]  # fmt: skip
     for batch in _batch_sizes(args):
         units = _units(encoded, batch)
         if len(units) * batch < len(encoded):
