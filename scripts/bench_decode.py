@@ -7,7 +7,11 @@ template and, for every temperature, decodes each prompt with the target alone a
 same machine state (in a new random order for each prompt; the target-only run is repeated
 before and after each prompt's speculative runs and averaged). Compilation is ahead of time
 and excluded from the timings: a program's first call compiles it before its timed decode
-loop starts. The JSON file is rewritten after every prompt.
+loop starts. The JSON file is rewritten after every prompt, and every finished unit is kept
+in ``<out>.units.pkl``: ``--resume`` continues an interrupted run from there (its random keys
+and orders are derived from the seed and the unit, so a resumed run decodes what an
+uninterrupted one would), and a run refuses to start over a checkpoint without
+``--resume`` or ``--overwrite``.
 
 Per configuration: the speedup over target-only (ratio of total tokens/s) with a 95%
 bootstrap interval over prompts, the acceptance length, and at T = 0 whether every output
@@ -53,6 +57,7 @@ import gc
 import json
 import os
 import pathlib
+import pickle
 import sys
 import time
 
@@ -142,6 +147,15 @@ def _args(argv=None):
     p.add_argument("--hf-prompts", type=int, default=None, help="the first N prompts only")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run whose checkpoint (<out>.units.pkl) is there: the units it "
+        "finished are kept, the rest are decoded",
+    )
+    p.add_argument(
+        "--overwrite", action="store_true", help="discard the checkpoint of an earlier run"
+    )
+    p.add_argument(
         "--out",
         type=pathlib.Path,
         default=pathlib.Path("jaxcert-out/bench.json"),
@@ -224,15 +238,17 @@ def _units(encoded, batch: int) -> list:
     return [encoded[i : i + batch] for i in range(0, usable, batch)]
 
 
-def _decode_all(target, drafters, encoded, args, eos, temperatures, policies, shapes, log, save):
+def _decode_all(
+    target, drafters, encoded, args, eos, temperatures, policies, shapes, log, save, results
+):
     """Every configuration on every unit (a batch of ``b`` prompts, for each ``b`` of
     ``--batch-sizes``); compilation (the first call of each program) is not in the decode
     seconds. ``save(results)`` runs after every unit, so an interrupted run keeps what it
-    measured. Results are keyed ``(batch, temperature, shape, policy spec)``."""
+    measured; units already in ``results`` (a resumed run) are not decoded again. Results
+    are keyed ``(batch, temperature, shape, policy spec)``. The random key and the order of
+    the configurations of a unit depend only on the seed, the batch size, the temperature
+    and the unit's index."""
     width = decoding.bucket(max(len(e) for e in encoded))
-    results: dict = {}
-    key = jax.random.key(args.seed)
-    rng = np.random.default_rng(args.seed)
     tree_pols = policies
     if args.tree_policies:
         tree_pols = [decoding.parse_policy(p) for p in args.tree_policies.split(",")]
@@ -258,7 +274,7 @@ def _decode_all(target, drafters, encoded, args, eos, temperatures, policies, sh
         if len(units) * batch < len(encoded):
             log(f"[bench] batch {batch}: the last {len(encoded) - len(units) * batch} prompts "
                 "fill no batch and are left out")  # fmt: skip
-        for temperature in temperatures:
+        for t_index, temperature in enumerate(temperatures):
             configs = {shape: _config(shape, temperature, args, eos) for shape in shapes}
             kw = dict(
                 max_new_tokens=args.max_new_tokens,
@@ -267,7 +283,14 @@ def _decode_all(target, drafters, encoded, args, eos, temperatures, policies, sh
                 prompt_width=width,
             )
             base = results.setdefault((batch, temperature, "target", "-"), _Runs())
+            if base.tokens:
+                log(f"[bench] batch {batch} T={temperature}: {len(base.tokens)} units kept")
             for i, unit in enumerate(units):
+                if i < len(base.tokens):
+                    continue  # measured before the run was interrupted
+                key = jax.random.fold_in(jax.random.key(args.seed), batch * 1000 + t_index)
+                key = jax.random.fold_in(key, i)
+                rng = np.random.default_rng([args.seed, batch, t_index, i])
                 key, sub = jax.random.split(key)
                 first = decoding.target_decode(target, unit, key=sub, **kw)
                 outs = {}
@@ -388,6 +411,70 @@ def _comparisons(results, temperatures, shapes):
     return [_paired(results, *pair) for pair in dict.fromkeys(pairs)]
 
 
+_NOT_PROTOCOL = {"out", "resume", "overwrite", "hf_peer", "hf_threads", "hf_prompts"}
+
+
+def _protocol(args, prompt_ids) -> dict:
+    """What a resumed run must share with the interrupted one: every option that changes
+    what a unit decodes or how it is timed, and the prompts."""
+    fields = {k: v for k, v in vars(args).items() if k not in _NOT_PROTOCOL}
+    return fields | {"prompt_ids": list(prompt_ids)}
+
+
+@dataclasses.dataclass
+class _Checkpoint:
+    """The finished units of a run, pickled after every unit (``results`` as
+    :func:`_decode_all` keys them, with the protocol that produced them)."""
+
+    path: pathlib.Path
+    protocol: dict
+
+    def start(self, *, resume: bool, overwrite: bool) -> dict:
+        """The results to continue from: ``{}`` for a new run.
+
+        Raises:
+          SystemExit: a checkpoint is there and neither ``resume`` nor ``overwrite`` is
+            set, ``resume`` is set and there is none, or its protocol differs (the
+            differing options are named).
+        """
+        if resume and overwrite:
+            raise SystemExit("--resume and --overwrite: choose one")
+        if not self.path.exists():
+            if resume:
+                raise SystemExit(f"--resume: no checkpoint at {self.path}")
+            return {}
+        if overwrite:
+            return {}  # the first finished unit replaces it
+        if not resume:
+            raise SystemExit(
+                f"{self.path} holds the units of an earlier run: --resume continues it, "
+                "--overwrite discards it"
+            )
+        with self.path.open("rb") as f:
+            saved = pickle.load(f)
+        differ = sorted(
+            k
+            for k in self.protocol.keys() | saved["protocol"].keys()
+            if self.protocol.get(k) != saved["protocol"].get(k)
+        )
+        if differ:
+            raise SystemExit(
+                f"--resume: {self.path} was measured with other options: "
+                + ", ".join(
+                    f"{k} (then {saved['protocol'].get(k)!r}, now {self.protocol.get(k)!r})"
+                    for k in differ
+                )
+            )
+        return {k: _Runs(**fields) for k, fields in saved["results"].items()}
+
+    def save(self, results: dict) -> None:
+        plain = {k: vars(runs).copy() for k, runs in results.items()}  # no class of the script
+        partial = self.path.with_suffix(".tmp")
+        with partial.open("wb") as f:
+            pickle.dump({"protocol": self.protocol, "results": plain}, f)
+        partial.replace(self.path)  # atomic: an interrupted save keeps the previous one
+
+
 def _hf_peer(args, encoded, log):
     """transformers' greedy target-only and assisted generation on the same GGUF files."""
     import torch
@@ -452,6 +539,11 @@ def main(argv=None) -> int:
     shapes = args.shapes.split(",")
     log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
     t0 = time.perf_counter()
+    prompt_set = _select(prompts.load_prompts(args.prompts), args)
+    checkpoint = _Checkpoint(
+        args.out.with_suffix(".units.pkl"), _protocol(args, [p.id for p in prompt_set])
+    )
+    results = checkpoint.start(resume=args.resume, overwrite=args.overwrite)  # before loading
     target = models.load(args.target)
     drafters: dict = {}
     if args.drafter != "none":
@@ -470,7 +562,6 @@ def main(argv=None) -> int:
         shapes += [f"ngram/{s}" for s in args.ngram_shapes.split(",")]
     load_s = time.perf_counter() - t0
     eos = target.eos_ids
-    prompt_set = _select(prompts.load_prompts(args.prompts), args)
     encoded = prompts.encode_prompts(target.tokenizer, prompt_set)
     log(
         f"[bench] loaded in {load_s:.0f} s; {len(encoded)} prompts; {len(shapes)} shapes x "
@@ -489,11 +580,12 @@ def main(argv=None) -> int:
         meta["total_s"] = round(time.perf_counter() - t0, 1)
         args.out.write_text(json.dumps(meta | body, indent=2, default=str))
 
-    def save(results):  # after every prompt: partial rows survive an interrupted run
+    def save(results):  # after every unit: partial rows survive an interrupted run
+        checkpoint.save(results)
         write(rows=_rows(results), comparisons=_comparisons(results, temperatures, shapes))
 
     results, width = _decode_all(
-        target, drafters, encoded, args, eos, temperatures, policies, shapes, log, save
+        target, drafters, encoded, args, eos, temperatures, policies, shapes, log, save, results
     )
     rows = _rows(results)
     comparisons = _comparisons(results, temperatures, shapes)
