@@ -204,8 +204,9 @@ class Goodput:
     at ``sum_b E_b(d) / T(d)`` tokens per second. Before drafting, the policy compares that
     rate (with each row's measured acceptance rate ``r_b`` for every ``a``) against a plain
     target step without the drafter, and skips the drafter when the step is faster (at
-    most ``DecodeConfig.max_skip`` rounds in a row; then one round drafts, to measure
-    again). While drafting, it keeps going while some deeper draft, its future tokens
+    most ``DecodeConfig.max_skip`` rounds in a row, then one round drafts to measure again;
+    a row's first round always drafts, unless the costs alone rule drafting out). While
+    drafting, it keeps going while some deeper draft, its future tokens
     accepted at the last token's rate, has a higher rate than stopping now; drafting zero
     tokens is one of its choices. A drafted token's estimate is ``c_b (C_q / log 2) ** beta``:
     the drafter's certificate (as ``cert``) scaled by the row's calibration ``c_b``, its
@@ -428,15 +429,20 @@ def drafter_features(q_logits: jax.Array) -> DrafterFeatures:
     return DrafterFeatures(top=st.top1, entropy=st.entropy, cert=cert)
 
 
+# ``PolicyState.skipped`` of a row that has not drafted yet: ``goodput`` measures before it
+# skips (its first round drafts), unless no acceptance rate could make drafting pay.
+UNMEASURED = 1 << 20
+
+
 def init_policy_state(params: PolicyParams, batch: int) -> PolicyState:
     """The state of ``batch`` rows before their first round (``goodput``'s counts hold
-    one tested token accepted at the prior rate)."""
+    one tested token accepted at the prior rate; ``skipped`` is :data:`UNMEASURED`)."""
     return PolicyState(
         k=jnp.full((batch,), params.k, jnp.int32),
         accepted=jnp.full((batch,), params.prior, jnp.float32),
         tested=jnp.ones((batch,), jnp.float32),
         predicted=jnp.ones((batch,), jnp.float32),
-        skipped=jnp.zeros((batch,), jnp.int32),
+        skipped=jnp.full((batch,), UNMEASURED, jnp.int32),
     )
 
 
@@ -465,8 +471,10 @@ def _best_deeper(costs: RoundCosts, expected, prob, a, drafted, k_max):
 
 def draft_any(params: PolicyParams, state: PolicyState, features: DrafterFeatures) -> jax.Array:
     """Whether the batch drafts at all this round (``[]`` bool), decided after the drafter's
-    first distribution: ``goodput`` may draft nothing (a plain verification of the root);
-    every other policy drafts at least one token.
+    first distribution: ``goodput`` may draft nothing (a plain verification of the root),
+    except in a round that measures (a row's first, or the one after skipped rounds: it
+    drafts at least one token, or the rates it decides by would never change); every other
+    policy drafts at least one token.
 
     Args:
       params, state: the policy and its per-row state.
@@ -475,15 +483,19 @@ def draft_any(params: PolicyParams, state: PolicyState, features: DrafterFeature
     a = _token_estimate(params, state, features)
     one = jnp.ones_like(a)
     deeper, now = _best_deeper(params.costs, one, one, a, jnp.asarray(0, jnp.int32), params.k_max)
-    return (params.kind != _KINDS.index("goodput")) | (deeper > now)
+    measures = jnp.any(state.skipped > 0)
+    return (params.kind != _KINDS.index("goodput")) | (deeper > now) | measures
 
 
 def should_skip(params: PolicyParams, state: PolicyState, active: jax.Array, max_skip: int):
     """Whether the batch skips the drafter this round: a plain target step (``[]`` bool).
 
-    Only ``goodput``, at most ``max_skip`` rounds in a row, and only when a plain step's
-    rate (``active`` rows per ``costs.skip_s``) is at least the best predicted rate of
-    drafting ``1..k_max`` tokens at each row's measured acceptance rate.
+    Only ``goodput``, and only when a plain step's rate (``active`` rows per
+    ``costs.skip_s``) is at least the best predicted rate of drafting ``1..k_max`` tokens at
+    each row's measured acceptance rate; at most ``max_skip`` rounds in a row, and not
+    before a row's first drafting round (:data:`UNMEASURED`), since the next drafting round
+    measures the rate again. Where even an acceptance rate of 0.999 would not make drafting
+    pay (the costs alone decide), every round skips: nothing is left to measure.
 
     Args:
       params, state: the policy and its per-row state.
@@ -493,13 +505,15 @@ def should_skip(params: PolicyParams, state: PolicyState, active: jax.Array, max
     if max_skip == 0:
         return jnp.asarray(False)
     w = active.astype(jnp.float32)
-    r = _rate(state)
-    deeper, _ = _best_deeper(params.costs, w, w, r, jnp.asarray(0, jnp.int32), params.k_max)
+    start = jnp.asarray(0, jnp.int32)
+    deeper, _ = _best_deeper(params.costs, w, w, _rate(state), start, params.k_max)
+    best, _ = _best_deeper(params.costs, w, w, jnp.full_like(w, 0.999), start, params.k_max)
     plain = jnp.sum(w) / jnp.maximum(params.costs.skip_s, 1e-12)
+    hopeless = plain >= best
     return (
         (params.kind == _KINDS.index("goodput"))
         & (plain >= deeper)
-        & jnp.all(state.skipped < max_skip)
+        & (jnp.all(state.skipped < max_skip) | hopeless)
         & jnp.any(active)
     )
 
@@ -608,13 +622,14 @@ def update_policy_state(
     tested = jnp.minimum(drafted, accepted + 1).astype(jnp.float32)  # the first rejected too
     if predicted is None:
         predicted = tested
-    keep = jnp.where(active & (drafted > 0), params.memory, 1.0)
-    fresh = 1.0 - keep
+    measured = active & (drafted > 0)
+    keep = jnp.where(measured, params.memory, 1.0)  # the past's weight in the counts
+    add = lambda x: jnp.where(measured, x, 0.0)  # noqa: E731  this round's tokens, in full
     return PolicyState(
         k=jnp.where(active, jnp.minimum(k, params.k_max), state.k),
-        accepted=keep * state.accepted + fresh * accepted.astype(jnp.float32),
-        tested=keep * state.tested + fresh * tested,
-        predicted=keep * state.predicted + fresh * predicted,
+        accepted=keep * state.accepted + add(accepted.astype(jnp.float32)),
+        tested=keep * state.tested + add(tested),
+        predicted=keep * state.predicted + add(predicted),
         skipped=jnp.zeros_like(state.skipped),
     )
 

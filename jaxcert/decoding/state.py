@@ -78,7 +78,8 @@ class PolicyState:
       predicted: ``[B]`` float32 the same sum of the tested tokens' certificate estimates
         ``(C_q / log 2) ** beta``; ``accepted / predicted`` calibrates the estimate.
       skipped: ``[B]`` int32 rounds in a row that ``goodput`` ran as plain target steps
-        without the drafter (equal in every row: the choice is made for the batch).
+        without the drafter (equal in every row: the choice is made for the batch);
+        ``policies.UNMEASURED`` before the first drafting round.
     """
 
     k: jax.Array  # [B]
