@@ -28,6 +28,7 @@ from jaxcert.base.prompts import pad_prompts
 from jaxcert.base.validate import check_int
 from jaxcert.decoding import costs as costs_lib
 from jaxcert.decoding import loop
+from jaxcert.decoding import node_stats as stats_lib
 from jaxcert.decoding import policies as policies_lib
 from jaxcert.decoding.config import DecodeConfig, Sizes, bucket, check_sampling
 from jaxcert.decoding.costs import PassCosts
@@ -274,6 +275,23 @@ def _drive(pre, pre_args, call, rows: int, progress) -> tuple:
     return state, prefill_s, decode_s
 
 
+def _plain_steps(plain, t_params, state, config: DecodeConfig, chunks: list):
+    """``goodput``'s skipped rounds: up to ``config.skips`` target-only steps (``plain``, a
+    compiled :func:`loop.run_target_steps`) on the speculative state. The drafter's cache
+    and re-read start stay (it catches up in its next re-read); the skip count grows by the
+    steps run; each step is recorded as a round that drafted nothing and emitted one token."""
+    before = np.asarray(jax.device_get(state.rounds))  # read before `plain` donates it
+    state = plain(t_params, state)
+    steps = np.asarray(jax.device_get(state.rounds)) - before  # [B] steps per row
+    assert state.policy is not None
+    ran = int(steps.max(initial=0))
+    state = state.replace(policy=state.policy.replace(skipped=state.policy.skipped + ran))
+    active = np.arange(config.skips)[:, None] < steps[None, :]  # [S, B]
+    empty = jax.device_get(stats_lib.empty_round_stats(*active.shape, config.num_nodes))
+    chunks.append(empty.replace(active=active, emitted=active.astype(np.int32)))
+    return state
+
+
 def speculative_decode(
     target,
     drafter,
@@ -361,10 +379,25 @@ def speculative_decode(
     )
     run_args = (t_params, d_params, pre.out_info, policy_params)
     run = programs.compile(loop.run_rounds, run_args, graphdefs | {"config": static}, on_compile)
+    hand_off = loop.hands_off(static)
+    if hand_off:  # goodput's plain steps run in the target-only program
+        plan = programs.compile(
+            loop.skip_next, (policy_params, pre.out_info), {"config": static}, on_compile
+        )
+        steps_kw = {
+            "graphdef": t_graphdef,
+            "steps": static.skips,
+            "sampling": static.verification.sampling,
+        }
+        plain = programs.compile(
+            loop.run_target_steps, (t_params, pre.out_info), steps_kw, on_compile
+        )
     compile_s, compiled = time.perf_counter() - t0, programs.compiled - before
     chunks: list = []
 
     def call(state):
+        if hand_off and bool(plan(policy_params, state)):
+            return _plain_steps(plain, t_params, state, static, chunks)
         state, stats = run(t_params, d_params, state, policy_params)
         chunks.append(jax.device_get(stats))
         return state

@@ -182,6 +182,10 @@ def test_goodput_greedy_equals_target_greedy(pair, want, verify):
         for got, ref in zip(out.tokens, want.tokens, strict=True):
             np.testing.assert_array_equal(got, ref)
         drafted, nothing = _mixed_choices(out)
+        # Every emitted token is in the statistics, the skipped steps' included (they run
+        # in the target-only program: one round each, nothing drafted, one token emitted).
+        emitted = np.sum(np.where(out.stats.active, out.stats.emitted, 0), axis=0)
+        assert emitted.tolist() == [len(t) for t in out.tokens]
         if costs is CHEAP:
             # Near-free verification: the first round drafts to the cap in every row; later
             # rounds draft nothing only once a row's measured rate is near 0 (this random
