@@ -287,7 +287,8 @@ def _plain_steps(plain, t_params, state, config: DecodeConfig, chunks: list):
     ran = int(steps.max(initial=0))
     state = state.replace(policy=state.policy.replace(skipped=state.policy.skipped + ran))
     active = np.arange(config.skips)[:, None] < steps[None, :]  # [S, B]
-    empty = jax.device_get(stats_lib.empty_round_stats(*active.shape, config.num_nodes))
+    rounds, batch = active.shape
+    empty = jax.device_get(stats_lib.empty_round_stats(rounds, batch, config.num_nodes))
     chunks.append(empty.replace(active=active, emitted=active.astype(np.int32)))
     return state
 
