@@ -12,8 +12,10 @@ The verification pass has a static width, but the drafted depth varies: the pass
 ``lax.switch`` over a few widths ("buckets", each compiled once), taking the smallest that
 holds every row's drafted nodes, so a 3-token draft is not scored at ``K_max + 1`` positions;
 width 0 (no row drafted anything) is a plain target step. With ``DecodeConfig.max_skip > 0``
-a round may also skip the drafter altogether (``goodput``'s choice, :func:`_plain_round`):
-the target steps alone and the drafter catches up in its next, wider re-read.
+a round may also skip the drafter altogether (``goodput``'s choice): the target steps alone
+and the drafter catches up in its next, wider re-read. For a draft head that step is a round
+of the loop (:func:`_plain_round`); for every other drafter the loop stops before it and the
+host runs the steps in the target-only program (:func:`hands_off`).
 """
 
 from __future__ import annotations
@@ -317,10 +319,8 @@ def _round(t_graphdef, t_params, d_graphdef, d_params, policy, state: DecodeStat
     before a round that would skip, so every round it runs drafts."""
     if config.skips == 0 or hands_off(config):
         return _speculative_round(t_graphdef, t_params, d_graphdef, d_params, policy, state, config)
-    assert state.policy is not None
-    skip = policies_lib.should_skip(policy, state.policy, ~state.done, config.skips)
     return lax.cond(
-        skip,
+        _skip_next(policy, state, config),
         functools.partial(_plain_round, t_graphdef, t_params, policy, config=config),
         functools.partial(
             _speculative_round, t_graphdef, t_params, d_graphdef, d_params, policy,

@@ -86,7 +86,7 @@ def test_skip_draft_nothing_and_continue_choices():
     assert P.draft_any(other, P.init_policy_state(other, 3), point_mass)
 
 
-def test_goodput_explores_less_and_learns_faster_than_a_moving_average():
+def test_goodput_counts_add_each_round_in_full():
     """The counts add each round's tokens in full (weight ``memory`` for the past): a row
     whose first drafting round accepts 3 of 3 has rate (0.8 * 0.6 + 3) / (0.8 + 3), not the
     moving average's 0.8 * 0.6 + 0.2 * 1."""
