@@ -23,9 +23,11 @@ difference is called significant when the interval of the ratio excludes 1.
 ``--batch-sizes 1,4,8`` runs the whole protocol at each batch size: a unit is then a batch
 of consecutive prompts (decoded together, timed together, the unit of the bootstrap), and
 every row and comparison carries its batch size. ``goodput`` measures the pass costs at
-each batch size (cached). ``--hf-peer`` adds Hugging Face transformers on the same GGUF
-pair, same token ids, greedy, 2 threads: target-only and assisted generation (heuristic and
-constant schedules).
+each batch size (cached) and corrects them from its own timed calls as it runs, keeping what
+it learnt for the next run; ``--fixed-costs`` adds ``fixed-goodput``, the same policy on
+the calibrated costs alone, paired with it. ``--hf-peer`` adds Hugging Face transformers
+on the same GGUF pair, same token ids, greedy, 2 threads: target-only and assisted
+generation (heuristic and constant schedules).
 
 Examples: the full protocol, and the reduced run of the table in docs/benchmarks.md::
 
@@ -142,6 +144,12 @@ def _args(argv=None):
         help="e.g. 1,4,8: the whole protocol at each batch size, a unit of the bootstrap "
         "being one batch of consecutive prompts (default %(default)s)",
     )
+    p.add_argument(
+        "--fixed-costs",
+        action="store_true",
+        help="also run every goodput configuration on its calibrated pass costs alone, "
+        "never corrected (policy 'fixed-goodput'), paired with the corrected one",
+    )
     p.add_argument("--hf-peer", action="store_true", help="also time transformers (PyTorch)")
     p.add_argument("--hf-threads", type=int, default=2)
     p.add_argument("--hf-prompts", type=int, default=None, help="the first N prompts only")
@@ -178,6 +186,27 @@ def _select(prompt_set, args) -> list:
 
 
 _OTHER = ("head/", "ngram/")  # configurations of the other drafters: <drafter>/<shape>
+
+
+@dataclasses.dataclass(frozen=True)
+class _FixedCosts:
+    """A ``goodput`` configuration that weighs its calibrated costs as they are."""
+
+    policy: decoding.Goodput
+
+    @property
+    def spec(self) -> str:
+        return "fixed-" + self.policy.spec
+
+
+def _passes_only(target, drafters, shape, fixed, configs, unit):
+    """The calibrated pass costs of a ``fixed-goodput`` run, without learnt overheads."""
+    drafter = _drafter(drafters, shape)
+    if isinstance(drafter, decoding.NgramDrafter) and drafter.config is None:
+        drafter = drafter.for_vocabulary(target.config.vocab_size)  # as speculative_decode
+    config = decoding.resolved_config(configs[shape], target, drafter, fixed.policy)
+    costs = decoding.calibrate(target, drafter, rows=len(unit), config=config.shape_only())
+    return dataclasses.replace(costs, round_overhead_s=0.0, step_overhead_s=0.0)
 
 
 def _drafter(drafters: dict, shape: str):
@@ -269,6 +298,8 @@ def _decode_all(
             (s, p) for s in shapes if s.startswith(prefix) for p, only in pols
             if only in (None, _bare(s))
         ]  # fmt: skip
+    if args.fixed_costs:
+        order += [(s, _FixedCosts(p)) for s, p in order if isinstance(p, decoding.Goodput)]
     for batch in _batch_sizes(args):
         units = _units(encoded, batch)
         if len(units) * batch < len(encoded):
@@ -297,14 +328,18 @@ def _decode_all(
                 for j in rng.permutation(len(order)):  # a new order per unit: no drift bias
                     shape, policy = order[j]
                     key, sub = jax.random.split(key)
+                    fixed = isinstance(policy, _FixedCosts)
                     outs[shape, policy.spec] = decoding.speculative_decode(
                         target,
                         _drafter(drafters, shape),
                         unit,
-                        policy=policy,
+                        policy=policy.policy if fixed else policy,
                         config=configs[shape],
                         key=sub,
                         prompt_width=width,
+                        costs=_passes_only(target, drafters, shape, policy, configs, unit)
+                        if fixed
+                        else None,
                     )
                 again = decoding.target_decode(target, unit, key=sub, **kw)
                 seconds = (first.decode_s + again.decode_s) / 2

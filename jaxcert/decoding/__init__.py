@@ -35,7 +35,7 @@ from jaxcert.decoding.api import (
     target_decode,
 )
 from jaxcert.decoding.config import DecodeConfig, bucket
-from jaxcert.decoding.costs import PassCosts, calibrate
+from jaxcert.decoding.costs import CostTracker, PassCosts, calibrate
 from jaxcert.decoding.ngram import NgramDrafter, TokenCache, parse_ngram
 from jaxcert.decoding.policies import (
     SVIP,
@@ -79,6 +79,7 @@ __all__ = [
     "Heuristic",
     "NgramDrafter",
     "PassCosts",
+    "CostTracker",
     "NodeStats",
     "Policy",
     "PolicyParams",

@@ -58,6 +58,8 @@ class DecodeOutput:
       rounds: ``[B]`` rounds (speculative) or steps (target-only) per row.
       prefill_s, decode_s, compile_s: wall times in seconds.
       compiled: programs this call compiled (0: every one was cached in the process).
+      round_costs: ``goodput`` only: the :class:`~jaxcert.decoding.policies.RoundCosts` it
+        weighed last (seconds; calibrated, then corrected by the timed calls), else ``None``.
     """
 
     tokens: list[np.ndarray]
@@ -67,6 +69,7 @@ class DecodeOutput:
     decode_s: float
     compile_s: float
     compiled: int = 0
+    round_costs: policies_lib.RoundCosts | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -307,6 +310,7 @@ def speculative_decode(
     on_compile: Callable[[str], None] | None = None,
     programs: Programs | None = None,
     costs: PassCosts | None = None,
+    correct_costs: bool | None = None,
 ) -> DecodeOutput:
     """Speculative decoding of one batch of token prompts.
 
@@ -333,6 +337,12 @@ def speculative_decode(
         (:class:`~jaxcert.decoding.costs.PassCosts` at this batch size); default: measured
         on this machine once and cached (:func:`~jaxcert.decoding.costs.calibrate`).
         Other policies ignore it.
+      correct_costs: ``goodput`` only: correct those costs as the decoder runs, from the
+        wall time of its own calls (:class:`~jaxcert.decoding.costs.CostTracker`; a
+        calibration times the passes alone, a round also pays for acceptance, statistics
+        and the host's calls). Default (``None``): correct costs calibrated here, keep
+        ``costs`` given by the caller as they are. Never for a draft head, whose skipped
+        rounds run inside the round loop.
 
     Returns:
       A :class:`DecodeOutput`.
@@ -363,8 +373,14 @@ def speculative_decode(
         config.max_new_tokens, config.temperature, config.top_p, config.eos_ids
     )
     round_costs = policies_lib.RoundCosts.unknown(static.depth)  # zeros: not read
+    if correct_costs is None:
+        correct_costs = costs is None
+    calibrated = None  # where calibrated costs are kept (their learnt overheads too)
     if goodput:
         if costs is None:
+            calibrated = costs_lib.cache_path(
+                target, drafter, rows=int(prompt.shape[0]), config=static
+            )
             costs = costs_lib.calibrate(target, drafter, rows=int(prompt.shape[0]), config=static)
         round_costs = costs.round_costs(static)
     policy_params = policies_lib.PolicyParams.from_policy(policy, round_costs)
@@ -395,12 +411,31 @@ def speculative_decode(
         )
     compile_s, compiled = time.perf_counter() - t0, programs.compiled - before
     chunks: list = []
+    tracker = None
+    if goodput and hand_off and correct_costs:
+        assert costs is not None
+        learnt = (costs.round_overhead_s, costs.step_overhead_s)
+        tracker = costs_lib.CostTracker(
+            costs.round_costs(static, overhead=False), prior=learnt if any(learnt) else None
+        )
 
     def call(state):
+        nonlocal policy_params
+        t0 = time.perf_counter()
         if hand_off and bool(plan(policy_params, state)):
-            return _plain_steps(plain, t_params, state, static, chunks)
-        state, stats = run(t_params, d_params, state, policy_params)
-        chunks.append(jax.device_get(stats))
+            state = _plain_steps(plain, t_params, state, static, chunks)
+            if tracker is not None:
+                tracker.observe_steps(time.perf_counter() - t0, int(chunks[-1].active.any(1).sum()))
+        else:
+            state, stats = run(t_params, d_params, state, policy_params)
+            chunks.append(jax.device_get(stats))
+            if tracker is not None:
+                ran = chunks[-1].active.any(axis=1)  # [R] rounds run
+                depths = np.where(chunks[-1].active, chunks[-1].depth, 0).max(axis=1)[ran]
+                tracker.observe_rounds(time.perf_counter() - t0, depths)
+        if tracker is not None:
+            costs_now = _replicated(tracker.round_costs(), placement)
+            policy_params = policy_params.replace(costs=costs_now)
         return state
 
     state, prefill_s, decode_s = _drive(pre, pre_args, call, rows, progress)
@@ -408,7 +443,12 @@ def speculative_decode(
     keep = np.any(stats.active, axis=1)
     stats = jax.tree.map(lambda x: x[keep], stats)
     tokens, rounds = _outputs(state, rows)
-    return DecodeOutput(tokens, stats, rounds, prefill_s, decode_s, compile_s, compiled)
+    if tracker is not None and calibrated is not None:
+        costs_lib.remember(calibrated, tracker)  # the next run starts from what this one saw
+    weighed = jax.device_get(policy_params.costs) if goodput else None
+    return DecodeOutput(
+        tokens, stats, rounds, prefill_s, decode_s, compile_s, compiled, round_costs=weighed
+    )
 
 
 def target_decode(

@@ -9,7 +9,10 @@ median of a few runs), :func:`calibrate` keeps the result in the cache (``costs/
 :func:`jaxcert.base.paths.cache_dir`, keyed by machine, model pair, dtype, batch rows and
 widths), and :meth:`PassCosts.round_costs` lowers it to the traced
 :class:`~jaxcert.decoding.policies.RoundCosts` a decoder reads. ``scripts/bench_pass_width.py``
-prints the same measurements.
+prints the same measurements. A calibration times the passes alone; a decoder's round also
+pays for acceptance, cache rollback, statistics and the host's calls, so
+:class:`CostTracker` corrects the calibrated costs from the decoder's own timed calls as it
+runs (``docs/goodput.md``, "Costs that correct themselves").
 """
 
 from __future__ import annotations
@@ -33,7 +36,16 @@ from jaxcert.decoding.config import DecodeConfig
 from jaxcert.decoding.policies import RoundCosts
 from jaxcert.decoding.protocols import reads_target
 
-__all__ = ["PassCosts", "measure", "calibrate", "nodes_at_depth", "FORMAT"]
+__all__ = [
+    "PassCosts",
+    "CostTracker",
+    "measure",
+    "calibrate",
+    "cache_path",
+    "remember",
+    "nodes_at_depth",
+    "FORMAT",
+]
 
 FORMAT = 1  # version of the cached JSON
 
@@ -47,11 +59,16 @@ class PassCosts:
       target_s: ``{width: seconds}`` of a target pass reading ``width`` positions per row.
       drafter_s: seconds of one drafter step (one token for each of ``B * M`` rows); ``0``
         for a drafter without a forward pass of its own worth timing.
+      round_overhead_s, step_overhead_s: seconds a decoder's speculative round (plain
+        target step) took beyond its passes, as :class:`CostTracker` learnt them in
+        earlier runs (0: not learnt; may be negative).
     """
 
     rows: int
     target_s: dict[int, float]
     drafter_s: float
+    round_overhead_s: float = 0.0
+    step_overhead_s: float = 0.0
 
     def target(self, width: int) -> float:
         """Seconds of a target pass of ``width`` positions (linear between measured widths).
@@ -64,22 +81,26 @@ class PassCosts:
         widths = sorted(self.target_s)
         return float(np.interp(width, widths, [self.target_s[w] for w in widths]))
 
-    def round_costs(self, config: DecodeConfig) -> RoundCosts:
+    def round_costs(self, config: DecodeConfig, *, overhead: bool = True) -> RoundCosts:
         """The ``[K + 1]`` seconds of a round by drafted depth, and of a plain step.
 
         Entry ``d``: the re-read and ``d - 1`` drafter steps (``d`` steps' worth, the re-read
         usually reads one token), plus the verification pass at the bucket that holds
         :func:`nodes_at_depth` nodes. Entry 0 drafts nothing: re-read plus the narrowest
-        verification width.
+        verification width. With ``overhead`` the learnt overheads are added (never
+        below half of the passes' seconds, as :class:`CostTracker` bounds them).
         """
         buckets = config.verify_buckets()
         rounds = []
         for d, nodes in enumerate(nodes_at_depth(config)):
             nb = next(b for b in buckets if b >= nodes) if nodes <= buckets[-1] else buckets[-1]
             rounds.append(max(d, 1) * self.drafter_s + self.target(nb + 1))
+        round_s, skip_s = np.asarray(rounds), self.target(1)
+        if overhead:
+            round_s = np.maximum(round_s + self.round_overhead_s, 0.5 * round_s)
+            skip_s = max(skip_s + self.step_overhead_s, 0.5 * skip_s)
         return RoundCosts(
-            round_s=jnp.asarray(rounds, jnp.float32),
-            skip_s=jnp.asarray(self.target(1), jnp.float32),
+            round_s=jnp.asarray(round_s, jnp.float32), skip_s=jnp.asarray(skip_s, jnp.float32)
         )
 
     def to_json(self) -> dict:
@@ -88,6 +109,8 @@ class PassCosts:
             "rows": self.rows,
             "target_s": {str(k): v for k, v in sorted(self.target_s.items())},
             "drafter_s": self.drafter_s,
+            "round_overhead_s": self.round_overhead_s,
+            "step_overhead_s": self.step_overhead_s,
         }
 
     @classmethod
@@ -97,9 +120,104 @@ class PassCosts:
             raise ValueError(f"pass costs of format {data.get('format')!r}, expected {FORMAT}")
         try:
             target = {int(k): float(v) for k, v in data["target_s"].items()}
-            return cls(rows=int(data["rows"]), target_s=target, drafter_s=float(data["drafter_s"]))
+            return cls(
+                rows=int(data["rows"]),
+                target_s=target,
+                drafter_s=float(data["drafter_s"]),
+                round_overhead_s=float(data.get("round_overhead_s", 0.0)),
+                step_overhead_s=float(data.get("step_overhead_s", 0.0)),
+            )
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(f"malformed pass costs: {err}") from None
+
+
+class CostTracker:
+    """Calibrated round costs, corrected by what the decoder's calls really took.
+
+    Every round of a call is assumed to cost its calibrated entry plus one overhead shared
+    by all depths (``round_s[d] + o_round``), and every plain step ``skip_s + o_step``; the
+    overheads are ratio estimates over the calls so far, the past weighted by ``memory``
+    per call:
+
+        o = sum_c memory^(n-c) (seconds_c - predicted_c) / sum_c memory^(n-c) rounds_c
+
+    A corrected cost is never below ``floor`` times its calibrated value (a calibration
+    that overestimates is corrected too, but a noisy call cannot make a pass free). The
+    corrections travel into the compiled decoder as traced values (no recompilation).
+
+    Overheads learnt by an earlier run (``prior``, seconds per round and per step) start the
+    sums as ``prior_weight`` rounds' worth of evidence, so a run starts where the last one
+    ended and its own calls soon outweigh them.
+
+    Args:
+      base: the calibrated :class:`~jaxcert.decoding.policies.RoundCosts` (passes only).
+      memory: weight of the past per call, in ``[0, 1)``.
+      floor: lowest corrected cost as a fraction of the calibrated one, in ``(0, 1]``.
+      prior: ``(round, step)`` overheads in seconds from earlier runs (``None``: none;
+        the first call's overhead is then taken at its word).
+      prior_weight: how many rounds (steps) of evidence ``prior`` counts for, ``>= 0``.
+
+    Raises:
+      ValueError: ``memory``, ``floor`` or ``prior_weight`` out of range.
+    """
+
+    def __init__(
+        self,
+        base: RoundCosts,
+        *,
+        memory: float = 0.7,
+        floor: float = 0.5,
+        prior: tuple[float, float] | None = None,
+        prior_weight: float = 4.0,
+    ):
+        if not 0.0 <= memory < 1.0:
+            raise ValueError(f"CostTracker memory must be in [0, 1), got {memory!r}")
+        if not 0.0 < floor <= 1.0:
+            raise ValueError(f"CostTracker floor must be in (0, 1], got {floor!r}")
+        if not prior_weight >= 0.0:
+            raise ValueError(f"CostTracker prior_weight must be >= 0, got {prior_weight!r}")
+        self.round_s = np.asarray(jax.device_get(base.round_s), np.float64)  # [K + 1]
+        self.skip_s = float(jax.device_get(base.skip_s))
+        self.memory, self.floor = memory, floor
+        # weighted seconds over the calibration, and weighted rounds (steps)
+        weight = 0.0 if prior is None else float(prior_weight)
+        prior = (0.0, 0.0) if prior is None else prior
+        self._excess = {"round": prior[0] * weight, "step": prior[1] * weight}
+        self._count = {"round": weight, "step": weight}
+
+    def _observe(self, kind: str, seconds: float, predicted: float, count: int) -> None:
+        if count <= 0 or not np.isfinite(seconds):
+            return
+        self._excess[kind] = self.memory * self._excess[kind] + (seconds - predicted)
+        self._count[kind] = self.memory * self._count[kind] + count
+
+    def observe_rounds(self, seconds: float, depths) -> None:
+        """A call of the round loop took ``seconds`` for rounds of these depths.
+
+        Args:
+          seconds: wall time of the call, host synchronisation included.
+          depths: ``[R]`` int, each round's drafted depth (the deepest row's: the round's
+            verification width is the batch's), ``R >= 0``.
+        """
+        depths = np.clip(np.asarray(depths, np.int64), 0, self.round_s.shape[0] - 1)
+        self._observe("round", seconds, float(self.round_s[depths].sum()), int(depths.size))
+
+    def observe_steps(self, seconds: float, steps: int) -> None:
+        """``steps`` plain target steps (one call) took ``seconds``."""
+        self._observe("step", seconds, steps * self.skip_s, int(steps))
+
+    def overhead_s(self, kind: str) -> float:
+        """Seconds added to each ``"round"`` (or ``"step"``) by the correction so far."""
+        count = self._count[kind]
+        return self._excess[kind] / count if count > 0 else 0.0
+
+    def round_costs(self) -> RoundCosts:
+        """The corrected :class:`~jaxcert.decoding.policies.RoundCosts` (float32)."""
+        rounds = np.maximum(self.round_s + self.overhead_s("round"), self.floor * self.round_s)
+        skip = max(self.skip_s + self.overhead_s("step"), self.floor * self.skip_s)
+        return RoundCosts(
+            round_s=jnp.asarray(rounds, jnp.float32), skip_s=jnp.asarray(skip, jnp.float32)
+        )
 
 
 def nodes_at_depth(config: DecodeConfig) -> list[int]:
@@ -230,6 +348,39 @@ def _key(target, drafter, rows: int, config: DecodeConfig, context: int) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
+def cache_path(
+    target, drafter, *, rows: int, config: DecodeConfig, context: int = 256, folder=None
+) -> pathlib.Path:
+    """Where :func:`calibrate` keeps the costs of this machine, pair, rows and widths."""
+    root = pathlib.Path(folder) if folder is not None else cache_dir() / "costs"
+    return root / f"{_key(target, drafter, rows, config, context)}.json"
+
+
+def _write(path: pathlib.Path, costs: PassCosts) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(costs.to_json(), indent=1))
+    tmp.replace(path)
+
+
+def remember(path: str | os.PathLike, tracker: CostTracker) -> PassCosts | None:
+    """Keeps the overheads ``tracker`` learnt in the calibration file at ``path``, so the
+    next run starts from them; returns the updated costs (``None``: no usable file there,
+    nothing written)."""
+    path = pathlib.Path(path)
+    try:
+        costs = PassCosts.from_json(json.loads(path.read_text()))
+    except (OSError, ValueError, json.JSONDecodeError):
+        return None
+    costs = dataclasses.replace(
+        costs,
+        round_overhead_s=tracker.overhead_s("round"),
+        step_overhead_s=tracker.overhead_s("step"),
+    )
+    _write(path, costs)
+    return costs
+
+
 def calibrate(
     target,
     drafter,
@@ -249,8 +400,7 @@ def calibrate(
       folder: where the JSON files go.
       log: called with one line when it measures (e.g. ``print``).
     """
-    root = pathlib.Path(folder) if folder is not None else cache_dir() / "costs"
-    path = root / f"{_key(target, drafter, rows, config, context)}.json"
+    path = cache_path(target, drafter, rows=rows, config=config, context=context, folder=folder)
     if path.is_file():
         try:
             return PassCosts.from_json(json.loads(path.read_text()))
@@ -259,8 +409,5 @@ def calibrate(
     if log is not None:
         log(f"measuring pass costs ({rows} rows); kept in {path}")
     costs = measure(target, drafter, rows=rows, config=config, context=context, repeats=repeats)
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(costs.to_json(), indent=1))
-    tmp.replace(path)
+    _write(path, costs)
     return costs

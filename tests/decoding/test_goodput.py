@@ -302,3 +302,113 @@ def test_calibrate_measures_once_and_keeps_the_result(pair, tmp_path, monkeypatc
     assert real(pair[0], head, rows=1, config=config, repeats=1).drafter_s > 0
     ngram = decoding.NgramDrafter(2, vocab_size=CONFIG.vocab_size)
     assert real(pair[0], ngram, rows=1, config=config, repeats=1).drafter_s == 0
+
+
+def test_the_cost_tracker_adds_the_measured_overhead():
+    base = P.RoundCosts(round_s=jnp.asarray([1.0, 1.5, 2.0, 2.5]), skip_s=jnp.asarray(1.0))
+    tracker = costs_lib.CostTracker(base, memory=0.5, floor=0.5)
+    np.testing.assert_allclose(tracker.round_costs().round_s, base.round_s)  # nothing seen yet
+    # Call 1: rounds of depth 1, 3, 3 took 1.5 + 2.5 + 2.5 + 3 * 0.4 seconds.
+    tracker.observe_rounds(6.5 + 1.2, [1, 3, 3])
+    np.testing.assert_allclose(tracker.overhead_s("round"), 0.4)
+    # Call 2: two rounds of depth 2, 0.1 s over each; the past weighs 0.5 per call.
+    tracker.observe_rounds(4.0 + 0.2, [2, 2])
+    want = (0.5 * 1.2 + 0.2) / (0.5 * 3 + 2)
+    np.testing.assert_allclose(tracker.overhead_s("round"), want, rtol=1e-12)
+    got = tracker.round_costs()
+    np.testing.assert_allclose(got.round_s, np.asarray(base.round_s) + want, rtol=1e-6)
+    assert float(got.skip_s) == 1.0  # steps have their own correction
+    tracker.observe_steps(8 * 1.3, 8)
+    np.testing.assert_allclose(float(tracker.round_costs().skip_s), 1.3, rtol=1e-6)
+    # A calibration that overestimates is corrected down, never below the floor.
+    fast = costs_lib.CostTracker(base, floor=0.5)
+    fast.observe_rounds(0.01, [3, 3])
+    np.testing.assert_allclose(fast.round_costs().round_s, 0.5 * np.asarray(base.round_s))
+    fast.observe_rounds(float("nan"), [1])  # an unusable timing is ignored
+    fast.observe_rounds(1.0, [])
+    assert fast.overhead_s("round") == pytest.approx((0.01 - 5.0) / 2)
+
+
+@pytest.mark.parametrize("kw", [{"memory": 1.0}, {"memory": -0.1}, {"floor": 0.0}, {"floor": 2}])
+def test_the_cost_tracker_refuses_bad_settings(kw):
+    base = P.RoundCosts.unknown(2)
+    with pytest.raises(ValueError, match="CostTracker (memory|floor)"):
+        costs_lib.CostTracker(base, **kw)
+
+
+def test_a_measured_overhead_turns_drafting_into_skipping():
+    """Calibrated passes say drafting pays at a rate of 0.5; once the tracker has seen
+    rounds cost 0.8 s more than their passes (and steps what they should), it skips."""
+    config = decoding.DecodeConfig(verification="greedy", max_draft=4, max_skip=8)
+    costs = PassCosts(rows=8, target_s={1: 1.0, 2: 1.1, 3: 1.2, 5: 1.3}, drafter_s=0.05)
+    base = costs.round_costs(config)
+    params = P.PolicyParams.from_policy(P.Goodput(), base)
+    state = P.init_policy_state(params, 8)
+    state = state.replace(
+        accepted=jnp.full((8,), 0.5), tested=jnp.ones((8,)), skipped=jnp.zeros((8,), jnp.int32)
+    )
+    active = jnp.ones((8,), bool)
+    assert not bool(P.should_skip(params, state, active, 8))
+    tracker = costs_lib.CostTracker(base)
+    depths = np.asarray([2, 2, 3, 2])
+    tracker.observe_rounds(float(np.asarray(base.round_s)[depths].sum()) + 4 * 0.8, depths)
+    tracker.observe_steps(8 * 1.0, 8)
+    corrected = params.replace(costs=tracker.round_costs())
+    assert bool(P.should_skip(corrected, state, active, 8))
+
+
+def test_calibrated_costs_are_corrected_and_given_ones_kept(pair, want, monkeypatch):
+    """With costs calibrated here, the decoder corrects them from its timed calls (the tiny
+    pair's rounds take milliseconds, not the seconds claimed, so the costs fall to the
+    floor), in one compiled program; costs the caller gives stay as they are unless asked."""
+    monkeypatch.setattr(costs_lib, "calibrate", lambda *a, **k: CHEAP)
+    config = decoding.DecodeConfig(verification="greedy", max_new_tokens=MAX_NEW, max_draft=5)
+    base = np.asarray(CHEAP.round_costs(decoding.resolved_config(
+        config, *pair, decoding.Goodput())).round_s)  # fmt: skip
+    programs = decoding.Programs()
+    run = lambda **kw: decoding.speculative_decode(  # noqa: E731
+        *pair, PROMPTS, config=config, policy=decoding.Goodput(), prompt_width=WIDTH,
+        programs=programs, **kw,
+    )  # fmt: skip
+    given = run(costs=CHEAP)
+    np.testing.assert_allclose(given.round_costs.round_s, base, rtol=1e-6)
+    compiled = programs.compiled
+    corrected = run()
+    assert programs.compiled == compiled  # the corrections are traced values
+    np.testing.assert_allclose(corrected.round_costs.round_s, 0.5 * base, rtol=1e-5)
+    asked = run(costs=CHEAP, correct_costs=True)
+    np.testing.assert_allclose(asked.round_costs.round_s, 0.5 * base, rtol=1e-5)
+    for out in (given, corrected, asked):
+        for got, ref in zip(out.tokens, want.tokens, strict=True):
+            np.testing.assert_array_equal(got, ref)
+
+
+def test_learnt_overheads_are_kept_with_the_calibration(pair, tmp_path):
+    config = decoding.DecodeConfig(verification="greedy", max_draft=2, max_skip=1)
+    first = costs_lib.calibrate(*pair, rows=2, config=config, folder=tmp_path, repeats=1)
+    assert (first.round_overhead_s, first.step_overhead_s) == (0.0, 0.0)
+    path = costs_lib.cache_path(*pair, rows=2, config=config, folder=tmp_path)
+    assert path.is_file()
+    base = first.round_costs(config, overhead=False)
+    tracker = costs_lib.CostTracker(base)
+    passes = np.asarray(base.round_s)
+    tracker.observe_rounds(float(passes[[1, 2]].sum()) + 2 * 0.3, [1, 2])
+    tracker.observe_steps(3 * float(base.skip_s) + 3 * 0.05, 3)
+    kept = costs_lib.remember(path, tracker)
+    assert kept is not None
+    again = costs_lib.calibrate(*pair, rows=2, config=config, folder=tmp_path, repeats=1)
+    assert again == kept and again.target_s == first.target_s  # read, not measured again
+    np.testing.assert_allclose([again.round_overhead_s, again.step_overhead_s], [0.3, 0.05])
+    np.testing.assert_allclose(
+        again.round_costs(config).round_s, np.maximum(passes + 0.3, 0.5 * passes), rtol=1e-5
+    )
+    # The next run's tracker starts from them, as prior_weight rounds of evidence.
+    nxt = costs_lib.CostTracker(base, memory=0.5, prior=(0.3, 0.05), prior_weight=4)
+    np.testing.assert_allclose(nxt.overhead_s("round"), 0.3)
+    nxt.observe_rounds(float(passes[[1, 1, 1, 1]].sum()) + 4 * 1.0, [1, 1, 1, 1])
+    np.testing.assert_allclose(nxt.overhead_s("round"), (0.5 * 4 * 0.3 + 4.0) / (0.5 * 4 + 4))
+    # A file of the same format without learnt overheads reads as none learnt.
+    data = json.loads(path.read_text())
+    del data["round_overhead_s"], data["step_overhead_s"]
+    assert PassCosts.from_json(data).round_overhead_s == 0.0
+    assert costs_lib.remember(tmp_path / "missing.json", tracker) is None
