@@ -342,7 +342,8 @@ def speculative_decode(
         calibration times the passes alone, a round also pays for acceptance, statistics
         and the host's calls). Default (``None``): correct costs calibrated here, keep
         ``costs`` given by the caller as they are. Never for a draft head, whose skipped
-        rounds run inside the round loop.
+        rounds run inside the round loop, nor across processes (each would time its own
+        calls, and the costs are one replicated value).
 
     Returns:
       A :class:`DecodeOutput`.
@@ -375,6 +376,8 @@ def speculative_decode(
     round_costs = policies_lib.RoundCosts.unknown(static.depth)  # zeros: not read
     if correct_costs is None:
         correct_costs = costs is None
+    # Each process times its own calls; the policy's costs must be one replicated value.
+    correct_costs = correct_costs and jax.process_count() == 1
     calibrated = None  # where calibrated costs are kept (their learnt overheads too)
     if goodput:
         if costs is None:
