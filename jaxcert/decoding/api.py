@@ -282,7 +282,8 @@ def _plain_steps(plain, t_params, state, config: DecodeConfig, chunks: list):
     """``goodput``'s skipped rounds: up to ``config.skips`` target-only steps (``plain``, a
     compiled :func:`loop.run_target_steps`) on the speculative state. The drafter's cache
     and re-read start stay (it catches up in its next re-read); the skip count grows by the
-    steps run; each step is recorded as a round that drafted nothing and emitted one token."""
+    steps run; each step is recorded as a round that drafted nothing and emitted one token.
+    Returns ``(state, steps run)``."""
     before = np.asarray(jax.device_get(state.rounds))  # read before `plain` donates it
     state = plain(t_params, state)
     steps = np.asarray(jax.device_get(state.rounds)) - before  # [B] steps per row
@@ -293,7 +294,7 @@ def _plain_steps(plain, t_params, state, config: DecodeConfig, chunks: list):
     rounds, batch = active.shape
     empty = jax.device_get(stats_lib.empty_round_stats(rounds, batch, config.num_nodes))
     chunks.append(empty.replace(active=active, emitted=active.astype(np.int32)))
-    return state
+    return state, ran
 
 
 def speculative_decode(
@@ -381,10 +382,9 @@ def speculative_decode(
     calibrated = None  # where calibrated costs are kept (their learnt overheads too)
     if goodput:
         if costs is None:
-            calibrated = costs_lib.cache_path(
-                target, drafter, rows=int(prompt.shape[0]), config=static
-            )
-            costs = costs_lib.calibrate(target, drafter, rows=int(prompt.shape[0]), config=static)
+            padded_rows = int(prompt.shape[0])
+            calibrated = costs_lib.cache_path(target, drafter, rows=padded_rows, config=static)
+            costs = costs_lib.calibrate(target, drafter, rows=padded_rows, config=static)
         round_costs = costs.round_costs(static)
     policy_params = policies_lib.PolicyParams.from_policy(policy, round_costs)
     if isinstance(config.tree, loop.tree_lib.Chain) and policy.k_max > config.max_draft:
@@ -426,15 +426,15 @@ def speculative_decode(
         nonlocal policy_params
         t0 = time.perf_counter()
         if hand_off and bool(plan(policy_params, state)):
-            state = _plain_steps(plain, t_params, state, static, chunks)
+            state, ran = _plain_steps(plain, t_params, state, static, chunks)
             if tracker is not None:
-                tracker.observe_steps(time.perf_counter() - t0, int(chunks[-1].active.any(1).sum()))
+                tracker.observe_steps(time.perf_counter() - t0, ran)
         else:
             state, stats = run(t_params, d_params, state, policy_params)
             chunks.append(jax.device_get(stats))
             if tracker is not None:
-                ran = chunks[-1].active.any(axis=1)  # [R] rounds run
-                depths = np.where(chunks[-1].active, chunks[-1].depth, 0).max(axis=1)[ran]
+                active = chunks[-1].active
+                depths = np.where(active, chunks[-1].depth, 0).max(axis=1)[active.any(axis=1)]
                 tracker.observe_rounds(time.perf_counter() - t0, depths)
         if tracker is not None:
             costs_now = _replicated(tracker.round_costs(), placement)

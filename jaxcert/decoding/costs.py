@@ -95,13 +95,8 @@ class PassCosts:
         for d, nodes in enumerate(nodes_at_depth(config)):
             nb = next(b for b in buckets if b >= nodes) if nodes <= buckets[-1] else buckets[-1]
             rounds.append(max(d, 1) * self.drafter_s + self.target(nb + 1))
-        round_s, skip_s = np.asarray(rounds), self.target(1)
-        if overhead:
-            round_s = np.maximum(round_s + self.round_overhead_s, 0.5 * round_s)
-            skip_s = max(skip_s + self.step_overhead_s, 0.5 * skip_s)
-        return RoundCosts(
-            round_s=jnp.asarray(round_s, jnp.float32), skip_s=jnp.asarray(skip_s, jnp.float32)
-        )
+        learnt = (self.round_overhead_s, self.step_overhead_s) if overhead else (0.0, 0.0)
+        return _corrected(np.asarray(rounds), self.target(1), *learnt, floor=0.5)
 
     def to_json(self) -> dict:
         return {
@@ -129,6 +124,15 @@ class PassCosts:
             )
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(f"malformed pass costs: {err}") from None
+
+
+def _corrected(round_s, skip_s: float, round_o: float, step_o: float, *, floor: float):
+    """:class:`RoundCosts` of passes plus overheads, never below ``floor`` of the passes."""
+    rounds = np.maximum(round_s + round_o, floor * round_s)
+    skip = max(skip_s + step_o, floor * skip_s)
+    return RoundCosts(
+        round_s=jnp.asarray(rounds, jnp.float32), skip_s=jnp.asarray(skip, jnp.float32)
+    )
 
 
 class CostTracker:
@@ -213,11 +217,8 @@ class CostTracker:
 
     def round_costs(self) -> RoundCosts:
         """The corrected :class:`~jaxcert.decoding.policies.RoundCosts` (float32)."""
-        rounds = np.maximum(self.round_s + self.overhead_s("round"), self.floor * self.round_s)
-        skip = max(self.skip_s + self.overhead_s("step"), self.floor * self.skip_s)
-        return RoundCosts(
-            round_s=jnp.asarray(rounds, jnp.float32), skip_s=jnp.asarray(skip, jnp.float32)
-        )
+        overheads = (self.overhead_s("round"), self.overhead_s("step"))
+        return _corrected(self.round_s, self.skip_s, *overheads, floor=self.floor)
 
 
 def nodes_at_depth(config: DecodeConfig) -> list[int]:
