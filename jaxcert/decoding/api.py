@@ -289,7 +289,7 @@ def _plain_steps(plain, t_params, state, config: DecodeConfig, chunks: list):
     steps = np.asarray(jax.device_get(state.rounds)) - before  # [B] steps per row
     assert state.policy is not None
     ran = int(steps.max(initial=0))
-    state = state.replace(policy=state.policy.replace(skipped=state.policy.skipped + ran))
+    state = state.replace(policy=policies_lib.skipped_round(state.policy, ran))
     active = np.arange(config.skips)[:, None] < steps[None, :]  # [S, B]
     rounds, batch = active.shape
     empty = jax.device_get(stats_lib.empty_round_stats(rounds, batch, config.num_nodes))
@@ -384,7 +384,9 @@ def speculative_decode(
         if costs is None:
             padded_rows = int(prompt.shape[0])
             calibrated = costs_lib.cache_path(target, drafter, rows=padded_rows, config=static)
-            costs = costs_lib.calibrate(target, drafter, rows=padded_rows, config=static)
+            costs = costs_lib.calibrate(
+                target, drafter, rows=padded_rows, config=static, path=calibrated
+            )
         round_costs = costs.round_costs(static)
     policy_params = policies_lib.PolicyParams.from_policy(policy, round_costs)
     if isinstance(config.tree, loop.tree_lib.Chain) and policy.k_max > config.max_draft:

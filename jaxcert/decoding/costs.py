@@ -391,6 +391,7 @@ def calibrate(
     context: int = 256,
     repeats: int = 3,
     folder: str | os.PathLike | None = None,
+    path: str | os.PathLike | None = None,
     log=None,
 ) -> PassCosts:
     """:func:`measure`, kept in ``folder`` (default ``cache_dir() / "costs"``): a second call
@@ -399,9 +400,14 @@ def calibrate(
     Args:
       target, drafter, rows, config, context, repeats: as for :func:`measure`.
       folder: where the JSON files go.
+      path: the file itself, as :func:`cache_path` gave it for these arguments (a caller
+        that keeps the path, to :func:`remember` what a decode learnt, derives it once);
+        ``None``: derived here.
       log: called with one line when it measures (e.g. ``print``).
     """
-    path = cache_path(target, drafter, rows=rows, config=config, context=context, folder=folder)
+    if path is None:
+        path = cache_path(target, drafter, rows=rows, config=config, context=context, folder=folder)
+    path = pathlib.Path(path)
     if path.is_file():
         try:
             return PassCosts.from_json(json.loads(path.read_text()))

@@ -205,7 +205,9 @@ class Goodput:
     rate (with each row's measured acceptance rate ``r_b`` for every ``a``) against a plain
     target step without the drafter, and skips the drafter when the step is faster (at
     most ``DecodeConfig.max_skip`` rounds in a row, then one round drafts to measure again;
-    a row's first round always drafts, unless the costs alone rule drafting out). While
+    a row's first round always drafts, unless the costs alone rule drafting out; after
+    ``patience`` measuring rounds in a row that were followed by a skip, it stops measuring
+    and runs plain steps to the end of the decode). While
     drafting, it keeps going while some deeper draft, its future tokens
     accepted at the last token's rate, has a higher rate than stopping now; drafting zero
     tokens is one of its choices. A drafted token's estimate is ``c_b (C_q / log 2) ** beta``:
@@ -217,12 +219,16 @@ class Goodput:
       prior: acceptance rate per token assumed before a row has drafted, in ``(0, 1)``.
       beta: calibration exponent of the certificate estimate, ``> 0``.
       memory: weight of the past in the running acceptance counts, in ``[0, 1)``.
+      patience: measuring rounds in a row, each followed by a skip, after which the batch
+        stops measuring (the drafter then never runs again in this decode, and never
+        re-reads what it skipped); ``0``: measure every ``max_skip + 1`` rounds forever.
       k_max: cap on the draft length.
     """
 
     prior: float = 0.6
     beta: float = 0.3
     memory: float = 0.8
+    patience: int = 2
     k_max: int = DEFAULT_K_MAX
 
     def __post_init__(self):
@@ -231,6 +237,7 @@ class Goodput:
         check_float("Goodput.memory", self.memory)
         if self.memory >= 1.0:
             raise ValueError(f"Goodput.memory must be in [0, 1), got {self.memory!r}")
+        check_int("Goodput.patience", self.patience, low=0)
         check_int("Goodput.k_max", self.k_max)
 
     @property
@@ -350,6 +357,8 @@ class PolicyParams:
       kind: ``[]`` int32 index into ``constant, heuristic, confidence, svip, cert, goodput``.
       k: ``[]`` int32 constant ``K`` or heuristic ``K0``.
       k_max: ``[]`` int32 cap on the draft length.
+      patience: ``[]`` int32 ``goodput``'s measuring rounds before it stops measuring
+        (``0``: never stops; unused by the others).
       tau, h, c, lam, beta, prior, memory: ``[]`` float32 parameters (unused ones are 0).
       costs: the :class:`RoundCosts` ``goodput`` weighs (zeros for the others).
     """
@@ -357,6 +366,7 @@ class PolicyParams:
     kind: jax.Array
     k: jax.Array
     k_max: jax.Array
+    patience: jax.Array
     tau: jax.Array
     h: jax.Array
     c: jax.Array
@@ -375,6 +385,7 @@ class PolicyParams:
         """The policy's scalars, with ``costs`` (default: unknown, one entry: set them with
         ``replace(costs=...)`` before decoding with ``goodput``)."""
         values = dict(k=0, tau=0.0, h=0.0, c=0.0, lam=0.0, beta=0.0, prior=0.0, memory=0.0)
+        patience = 0
         if isinstance(policy, Constant):
             kind, values["k"] = "constant", policy.k
         elif isinstance(policy, Heuristic):
@@ -388,6 +399,7 @@ class PolicyParams:
         elif isinstance(policy, Goodput):
             kind, values["beta"] = "goodput", policy.beta
             values["prior"], values["memory"] = policy.prior, policy.memory
+            patience = policy.patience
         else:
             raise ValueError(f"not a policy: {policy!r}")
         f32 = lambda v: jnp.asarray(v, jnp.float32)  # noqa: E731
@@ -395,6 +407,7 @@ class PolicyParams:
             kind=jnp.asarray(_KINDS.index(kind), jnp.int32),
             k=jnp.asarray(values["k"], jnp.int32),
             k_max=jnp.asarray(policy.k_max, jnp.int32),
+            patience=jnp.asarray(patience, jnp.int32),
             **{n: f32(values[n]) for n in ("tau", "h", "c", "lam", "beta", "prior", "memory")},
             costs=RoundCosts.unknown(0) if costs is None else costs,
         )
@@ -443,6 +456,7 @@ def init_policy_state(params: PolicyParams, batch: int) -> PolicyState:
         tested=jnp.ones((batch,), jnp.float32),
         predicted=jnp.ones((batch,), jnp.float32),
         skipped=jnp.full((batch,), UNMEASURED, jnp.int32),
+        losses=jnp.zeros((batch,), jnp.int32),
     )
 
 
@@ -495,7 +509,11 @@ def should_skip(params: PolicyParams, state: PolicyState, active: jax.Array, max
     each row's measured acceptance rate; at most ``max_skip`` rounds in a row, and not
     before a row's first drafting round (:data:`UNMEASURED`), since the next drafting round
     measures the rate again. Where even an acceptance rate of 0.999 would not make drafting
-    pay (the costs alone decide), every round skips: nothing is left to measure.
+    pay (the costs alone decide), every round skips: nothing is left to measure. So does
+    every round once ``patience`` measuring rounds in a row were followed by a skip
+    (``state.losses``): the batch stops measuring. A batch that has skipped more than
+    ``max_skip`` rounds in a row always skips: its drafter is further behind than one
+    re-read (``DecodeConfig.reread``) can catch up.
 
     Args:
       params, state: the policy and its per-row state.
@@ -510,12 +528,11 @@ def should_skip(params: PolicyParams, state: PolicyState, active: jax.Array, max
     best, _ = _best_deeper(params.costs, w, w, jnp.full_like(w, 0.999), start, params.k_max)
     plain = jnp.sum(w) / jnp.maximum(params.costs.skip_s, 1e-12)
     hopeless = plain >= best
-    return (
-        (params.kind == _KINDS.index("goodput"))
-        & (plain >= deeper)
-        & (jnp.all(state.skipped < max_skip) | hopeless)
-        & jnp.any(active)
-    )
+    gave_up = (params.patience > 0) & jnp.all(state.losses >= params.patience)
+    stale = jnp.any((state.skipped > max_skip) & (state.skipped != UNMEASURED))
+    goodput = params.kind == _KINDS.index("goodput")
+    chooses = (plain >= deeper) & (jnp.all(state.skipped < max_skip) | hopeless | gave_up)
+    return goodput & (chooses | stale) & jnp.any(active)
 
 
 def _token_estimate(params: PolicyParams, state: PolicyState, features: DrafterFeatures):
@@ -606,7 +623,8 @@ def update_policy_state(
     predicted: jax.Array | None = None,
 ) -> PolicyState:
     """The state after a round that drafted (the ``heuristic`` schedule, ``goodput``'s
-    acceptance counts; its skip count returns to 0).
+    acceptance counts; its skip count returns to 0, and its count of losing measurements
+    too when the round before drafted as well: that one was followed by a drafting round).
 
     Args:
       params: the policy.
@@ -631,9 +649,14 @@ def update_policy_state(
         tested=keep * state.tested + add(tested),
         predicted=keep * state.predicted + add(predicted),
         skipped=jnp.zeros_like(state.skipped),
+        losses=jnp.where(state.skipped == 0, 0, state.losses),
     )
 
 
-def skipped_round(state: PolicyState) -> PolicyState:
-    """The state after a round that skipped the drafter (a plain target step)."""
-    return state.replace(skipped=state.skipped + 1)
+def skipped_round(state: PolicyState, count=1) -> PolicyState:
+    """The state after ``count`` rounds (``[]`` int32 or ``int``) that skipped the drafter
+    (plain target steps): a skip right after a drafting round counts that round as a losing
+    measurement (``losses``)."""
+    ran = jnp.asarray(count, jnp.int32)
+    lost = (state.skipped == 0) & (ran > 0)
+    return state.replace(skipped=state.skipped + ran, losses=state.losses + lost)

@@ -80,6 +80,9 @@ class PolicyState:
       skipped: ``[B]`` int32 rounds in a row that ``goodput`` ran as plain target steps
         without the drafter (equal in every row: the choice is made for the batch);
         ``policies.UNMEASURED`` before the first drafting round.
+      losses: ``[B]`` int32 measuring rounds in a row after which ``goodput`` skipped the
+        drafter again (a drafting round followed by a skip; a drafting round followed by
+        another one resets it); at ``Goodput.patience`` it stops measuring.
     """
 
     k: jax.Array  # [B]
@@ -87,6 +90,7 @@ class PolicyState:
     tested: jax.Array  # [B]
     predicted: jax.Array  # [B]
     skipped: jax.Array  # [B]
+    losses: jax.Array  # [B]
 
     if TYPE_CHECKING:  # struct.dataclass adds it at run time, out of mypy's sight
 

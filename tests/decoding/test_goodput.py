@@ -86,6 +86,42 @@ def test_skip_draft_nothing_and_continue_choices():
     assert P.draft_any(other, P.init_policy_state(other, 3), point_mass)
 
 
+def test_the_batch_stops_measuring_after_patience_losing_measurements():
+    """A measuring round followed by a skip is a loss; after ``patience`` of them in a row
+    the batch skips past ``max_skip``, and from then on always skips (its drafter cannot
+    catch up in one re-read), even where the costs would make drafting pay."""
+    config = decoding.DecodeConfig(verification="greedy", max_draft=6, max_skip=2)
+    active = jnp.ones((3,), bool)
+    params = _params(MIXED, config, patience=2)
+    state = P.init_policy_state(params, 3)
+    assert not P.should_skip(params, state, active, 2)  # a row's first round drafts
+    outcome = dict(drafted=jnp.ones((3,), jnp.int32), accepted=jnp.zeros((3,), jnp.int32))
+    losses = []
+    for _ in range(2):
+        state = P.update_policy_state(params, state, active=active, **outcome)
+        assert P.should_skip(params, state, active, 2)  # it lost: skip again
+        state = P.skipped_round(state, 2)
+        losses.append(state.losses.tolist())
+        if len(losses) == 1:  # one loss: at max_skip it measures again
+            assert not P.should_skip(params, state, active, 2)
+    assert losses == [[1, 1, 1], [2, 2, 2]]
+    assert P.should_skip(params, state, active, 2)  # gave up: no measuring round
+    never = _params(MIXED, config, patience=0)
+    assert not P.should_skip(never, state, active, 2)
+    stale = P.skipped_round(state)  # now further behind than one re-read reaches
+    assert stale.skipped.tolist() == [3, 3, 3] and stale.losses.tolist() == [2, 2, 2]
+    for costs in (CHEAP, MIXED):
+        assert P.should_skip(_params(costs, config, patience=0), stale, active, 2)
+    # A measuring round followed by a drafting round is a win: the losses start again.
+    measured = P.update_policy_state(params, state, active=active, **outcome)
+    assert measured.losses.tolist() == [2, 2, 2]  # decided by the round after it
+    won = P.update_policy_state(params, measured, active=active, **outcome)
+    assert won.losses.tolist() == [0, 0, 0]
+    assert P.skipped_round(won, 0).losses.tolist() == [0, 0, 0]  # no step ran: no loss
+    with pytest.raises(ValueError, match="Goodput.patience"):
+        P.Goodput(patience=-1)
+
+
 def test_goodput_counts_add_each_round_in_full():
     """The counts add each round's tokens in full (weight ``memory`` for the past): a row
     whose first drafting round accepts 3 of 3 has rate (0.8 * 0.6 + 3) / (0.8 + 3), not the
@@ -200,6 +236,23 @@ def test_goodput_greedy_equals_target_greedy(pair, want, verify):
             assert drafted > 0 and nothing > 0
 
 
+def test_goodput_stops_measuring_in_a_decode(pair, want):
+    """With verification dear enough that every measurement loses (MIXED, this random pair
+    accepting about 1 token in 10), ``patience=1`` drafts only in the first round; with
+    ``patience=0`` the batch measures again after every ``max_skip`` skipped rounds. Both
+    stay exact."""
+    rounds = {}
+    for patience in (0, 1):
+        policy = decoding.Goodput(beta=0.01, patience=patience)
+        out = _decode(*pair, "greedy", MIXED, policy=policy, max_skip=2)
+        for got, ref in zip(out.tokens, want.tokens, strict=True):
+            np.testing.assert_array_equal(got, ref)
+        st = out.stats
+        rounds[patience] = np.any(st.active & (st.drafted > 0), axis=1)  # [R] drafted
+    assert rounds[1][0] and not np.any(rounds[1][1:])
+    assert np.sum(rounds[0]) >= 2 and len(rounds[0]) == len(rounds[1])
+
+
 def test_one_program_serves_every_goodput_parameter_and_cost(pair):
     programs = decoding.Programs()
     runs = [
@@ -293,10 +346,16 @@ def test_calibrate_measures_once_and_keeps_the_result(pair, tmp_path, monkeypatc
     (path,) = tmp_path.glob("*.json")
     assert json.loads(path.read_text())["format"] == costs_lib.FORMAT
     path.write_text("{broken")  # a damaged file is measured again, not trusted
-    costs_lib.calibrate(*pair, rows=2, config=config, folder=tmp_path, repeats=1)
+    second = costs_lib.calibrate(*pair, rows=2, config=config, folder=tmp_path, repeats=1)
     assert len(calls) == 2
     other = costs_lib.calibrate(*pair, rows=3, config=config, folder=tmp_path, repeats=1)
     assert other.rows == 3 and len(calls) == 3 and len(list(tmp_path.glob("*.json"))) == 2
+    # A path given (as speculative_decode keeps it) is the file read and written.
+    assert costs_lib.calibrate(*pair, rows=2, config=config, path=path, repeats=1) == second
+    assert len(calls) == 3
+    elsewhere = tmp_path / "given" / "costs.json"
+    costs_lib.calibrate(*pair, rows=2, config=config, path=elsewhere, repeats=1)
+    assert len(calls) == 4 and elsewhere.is_file()
     # A draft head's step is timed with a context; the lookup drafter's is free.
     head = decoding_head(pair[0])
     assert real(pair[0], head, rows=1, config=config, repeats=1).drafter_s > 0
