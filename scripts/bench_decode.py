@@ -7,11 +7,15 @@ template and, for every temperature, decodes each prompt with the target alone a
 same machine state (in a new random order for each prompt; the target-only run is repeated
 before and after each prompt's speculative runs and averaged). Compilation is ahead of time
 and excluded from the timings: a program's first call compiles it before its timed decode
-loop starts. The JSON file is rewritten after every prompt, and every finished unit is kept
-in ``<out>.units.pkl``: ``--resume`` continues an interrupted run from there (its random keys
-and orders are derived from the seed and the unit, so a resumed run decodes what an
-uninterrupted one would), and a run refuses to start over a checkpoint without
-``--resume`` or ``--overwrite``.
+loop starts, and before the first timed unit of each batch size and temperature every
+configuration decodes that unit once, untimed, so that first executions (on XLA:CPU the
+first decodes of a process ran up to 20% slower) are not timed either (``--no-warmup``:
+time them). A warm-up of ``goodput`` also teaches it the round overheads, as an earlier
+run on the machine would. The JSON file is rewritten after every prompt, and every
+finished unit is kept in ``<out>.units.pkl``: ``--resume`` continues an interrupted run
+from there (its random keys and orders are derived from the seed and the unit, so a resumed
+run decodes what an uninterrupted one would), and a run refuses to start over a checkpoint
+without ``--resume`` or ``--overwrite``.
 
 Per configuration: the speedup over target-only (ratio of total tokens/s) with a 95%
 bootstrap interval over prompts, the acceptance length, and at T = 0 whether every output
@@ -149,6 +153,13 @@ def _args(argv=None):
         action="store_true",
         help="also run every goodput configuration on its calibrated pass costs alone, "
         "never corrected (policy 'fixed-goodput'), paired with the corrected one",
+    )
+    p.add_argument(
+        "--no-warmup",
+        dest="warmup",
+        action="store_false",
+        help="time the first unit of each batch size and temperature without an untimed "
+        "decode of every configuration before it",
     )
     p.add_argument("--hf-peer", action="store_true", help="also time transformers (PyTorch)")
     p.add_argument("--hf-threads", type=int, default=2)
@@ -316,6 +327,30 @@ def _decode_all(
             base = results.setdefault((batch, temperature, "target", "-"), _Runs())
             if base.tokens:
                 log(f"[bench] batch {batch} T={temperature}: {len(base.tokens)} units kept")
+
+            def decode(shape, policy, unit, key, configs=configs):
+                fixed = isinstance(policy, _FixedCosts)
+                return decoding.speculative_decode(
+                    target,
+                    _drafter(drafters, shape),
+                    unit,
+                    policy=policy.policy if fixed else policy,
+                    config=configs[shape],
+                    key=key,
+                    prompt_width=width,
+                    costs=_passes_only(target, drafters, shape, policy, configs, unit)
+                    if fixed
+                    else None,
+                )
+
+            if args.warmup and len(base.tokens) < len(units):
+                # One untimed decode of every configuration: first executions (allocations,
+                # the runtime's first run of each program) stay out of the timed units.
+                warm = units[len(base.tokens)]
+                decoding.target_decode(target, warm, key=jax.random.key(0), **kw)
+                for shape, policy in order:
+                    decode(shape, policy, warm, jax.random.key(0))
+                log(f"[bench] batch {batch} T={temperature}: warmed up")
             for i, unit in enumerate(units):
                 if i < len(base.tokens):
                     continue  # measured before the run was interrupted
@@ -328,19 +363,7 @@ def _decode_all(
                 for j in rng.permutation(len(order)):  # a new order per unit: no drift bias
                     shape, policy = order[j]
                     key, sub = jax.random.split(key)
-                    fixed = isinstance(policy, _FixedCosts)
-                    outs[shape, policy.spec] = decoding.speculative_decode(
-                        target,
-                        _drafter(drafters, shape),
-                        unit,
-                        policy=policy.policy if fixed else policy,
-                        config=configs[shape],
-                        key=sub,
-                        prompt_width=width,
-                        costs=_passes_only(target, drafters, shape, policy, configs, unit)
-                        if fixed
-                        else None,
-                    )
+                    outs[shape, policy.spec] = decode(shape, policy, unit, sub)
                 again = decoding.target_decode(target, unit, key=sub, **kw)
                 seconds = (first.decode_s + again.decode_s) / 2
                 base.add(first.num_tokens, seconds)
