@@ -289,7 +289,8 @@ def _plain_steps(plain, t_params, state, config: DecodeConfig, chunks: list):
     steps = np.asarray(jax.device_get(state.rounds)) - before  # [B] steps per row
     assert state.policy is not None
     ran = int(steps.max(initial=0))
-    state = state.replace(policy=policies_lib.skipped_round(state.policy, ran))
+    rows = int(np.sum(steps > 0))  # rows still decoding: those the last measurement weighed
+    state = state.replace(policy=policies_lib.skipped_round(state.policy, ran, rows))
     active = np.arange(config.skips)[:, None] < steps[None, :]  # [S, B]
     rounds, batch = active.shape
     empty = jax.device_get(stats_lib.empty_round_stats(rounds, batch, config.num_nodes))

@@ -430,7 +430,8 @@ def _commit(state, config, policy, key, tree, d_cache, verified, skipped=False):
         if path_states is not None:  # the new token at `state.length` reads the root's state
             at = jnp.where(active, state.length - start, context.shape[1])
             context = context.at[rows, at].set(path_states[:, 0], mode="drop")
-        policy_state = policies_lib.skipped_round(state.policy)
+        rows = jnp.sum(active, dtype=jnp.int32)
+        policy_state = policies_lib.skipped_round(state.policy, rows=rows)
     else:
         if isinstance(config.tree, tree_lib.Chain) and config.head_taps is None:
             # After a rejection the drafter already read every kept token but the target's.

@@ -60,6 +60,7 @@ __all__ = [
     "drafter_features",
     "should_continue",
     "draft_any",
+    "measured_rate",
     "should_skip",
     "init_policy_state",
     "update_policy_state",
@@ -201,13 +202,15 @@ class Goodput:
     With per-token acceptance estimates ``a`` and the measured cost of a round that drafts
     ``d`` tokens, ``T(d)`` (:class:`RoundCosts`), a round of the batch emits
     ``sum_b E_b(d)`` tokens in expectation, ``E_b(d) = 1 + sum_{k <= d} prod_{j <= k} a_bj``,
-    at ``sum_b E_b(d) / T(d)`` tokens per second. Before drafting, the policy compares that
-    rate (with each row's measured acceptance rate ``r_b`` for every ``a``) against a plain
-    target step without the drafter, and skips the drafter when the step is faster (at
+    at ``sum_b E_b(d) / T(d)`` tokens per second. Before drafting, the policy compares the
+    rate its drafting rounds have measured (tokens they emitted over their cost
+    ``T(d)``, summed over the rows, raised by ``spread / sqrt(n)`` for ``n`` measured
+    row-rounds: an upper confidence bound) against a plain target step without the
+    drafter, and skips the drafter when the step is faster (at
     most ``DecodeConfig.max_skip`` rounds in a row, then one round drafts to measure again;
     a row's first round always drafts, unless the costs alone rule drafting out; after
-    ``patience`` measuring rounds in a row that were followed by a skip, it stops measuring
-    and runs plain steps to the end of the decode). While
+    ``patience`` row-rounds of measurement in a row that were followed by a skip, it stops
+    measuring and runs plain steps to the end of the decode). While
     drafting, it keeps going while some deeper draft, its future tokens
     accepted at the last token's rate, has a higher rate than stopping now; drafting zero
     tokens is one of its choices. A drafted token's estimate is ``c_b (C_q / log 2) ** beta``:
@@ -219,9 +222,15 @@ class Goodput:
       prior: acceptance rate per token assumed before a row has drafted, in ``(0, 1)``.
       beta: calibration exponent of the certificate estimate, ``> 0``.
       memory: weight of the past in the running acceptance counts, in ``[0, 1)``.
-      patience: measuring rounds in a row, each followed by a skip, after which the batch
-        stops measuring (the drafter then never runs again in this decode, and never
-        re-reads what it skipped); ``0``: measure every ``max_skip + 1`` rounds forever.
+      patience: losing measurements in a row (drafting rounds each followed by a skip),
+        counted in row-rounds (a round of ``B`` active rows counts ``B``), after which the
+        batch stops measuring (the drafter then never runs again in this decode, and never
+        re-reads what it skipped): by default two measuring rounds at batch 1, one from
+        batch 2 up; ``0``: measure every ``max_skip + 1`` rounds forever.
+      spread: the relative standard deviation assumed for one row-round's emitted tokens,
+        ``>= 0``: the skip decision raises the measured drafting rate by
+        ``spread / sqrt(n)`` (``n`` measured row-rounds), so that one unlucky round does
+        not switch drafting off; ``0``: the measured rate as it is.
       k_max: cap on the draft length.
     """
 
@@ -229,6 +238,7 @@ class Goodput:
     beta: float = 0.3
     memory: float = 0.8
     patience: int = 2
+    spread: float = 0.5
     k_max: int = DEFAULT_K_MAX
 
     def __post_init__(self):
@@ -238,6 +248,7 @@ class Goodput:
         if self.memory >= 1.0:
             raise ValueError(f"Goodput.memory must be in [0, 1), got {self.memory!r}")
         check_int("Goodput.patience", self.patience, low=0)
+        check_float("Goodput.spread", self.spread)
         check_int("Goodput.k_max", self.k_max)
 
     @property
@@ -357,9 +368,10 @@ class PolicyParams:
       kind: ``[]`` int32 index into ``constant, heuristic, confidence, svip, cert, goodput``.
       k: ``[]`` int32 constant ``K`` or heuristic ``K0``.
       k_max: ``[]`` int32 cap on the draft length.
-      patience: ``[]`` int32 ``goodput``'s measuring rounds before it stops measuring
-        (``0``: never stops; unused by the others).
-      tau, h, c, lam, beta, prior, memory: ``[]`` float32 parameters (unused ones are 0).
+      patience: ``[]`` int32 ``goodput``'s losing row-rounds of measurement before it
+        stops measuring (``0``: never stops; unused by the others).
+      tau, h, c, lam, beta, prior, memory, spread: ``[]`` float32 parameters (unused ones
+        are 0).
       costs: the :class:`RoundCosts` ``goodput`` weighs (zeros for the others).
     """
 
@@ -374,6 +386,7 @@ class PolicyParams:
     beta: jax.Array
     prior: jax.Array
     memory: jax.Array
+    spread: jax.Array
     costs: RoundCosts
 
     if TYPE_CHECKING:  # struct.dataclass adds it at run time, out of mypy's sight
@@ -384,7 +397,9 @@ class PolicyParams:
     def from_policy(cls, policy: Policy, costs: RoundCosts | None = None) -> PolicyParams:
         """The policy's scalars, with ``costs`` (default: unknown, one entry: set them with
         ``replace(costs=...)`` before decoding with ``goodput``)."""
-        values = dict(k=0, tau=0.0, h=0.0, c=0.0, lam=0.0, beta=0.0, prior=0.0, memory=0.0)
+        values = dict(
+            k=0, tau=0.0, h=0.0, c=0.0, lam=0.0, beta=0.0, prior=0.0, memory=0.0, spread=0.0
+        )
         patience = 0
         if isinstance(policy, Constant):
             kind, values["k"] = "constant", policy.k
@@ -399,6 +414,7 @@ class PolicyParams:
         elif isinstance(policy, Goodput):
             kind, values["beta"] = "goodput", policy.beta
             values["prior"], values["memory"] = policy.prior, policy.memory
+            values["spread"] = policy.spread
             patience = policy.patience
         else:
             raise ValueError(f"not a policy: {policy!r}")
@@ -408,7 +424,7 @@ class PolicyParams:
             k=jnp.asarray(values["k"], jnp.int32),
             k_max=jnp.asarray(policy.k_max, jnp.int32),
             patience=jnp.asarray(patience, jnp.int32),
-            **{n: f32(values[n]) for n in ("tau", "h", "c", "lam", "beta", "prior", "memory")},
+            **{n: f32(v) for n, v in values.items() if n != "k"},
             costs=RoundCosts.unknown(0) if costs is None else costs,
         )
 
@@ -457,6 +473,8 @@ def init_policy_state(params: PolicyParams, batch: int) -> PolicyState:
         predicted=jnp.ones((batch,), jnp.float32),
         skipped=jnp.full((batch,), UNMEASURED, jnp.int32),
         losses=jnp.zeros((batch,), jnp.int32),
+        emitted=jnp.zeros((batch,), jnp.float32),
+        rounds=jnp.zeros((batch, params.costs.round_s.shape[0]), jnp.float32),
     )
 
 
@@ -505,13 +523,13 @@ def should_skip(params: PolicyParams, state: PolicyState, active: jax.Array, max
     """Whether the batch skips the drafter this round: a plain target step (``[]`` bool).
 
     Only ``goodput``, and only when a plain step's rate (``active`` rows per
-    ``costs.skip_s``) is at least the best predicted rate of drafting ``1..k_max`` tokens at
-    each row's measured acceptance rate; at most ``max_skip`` rounds in a row, and not
+    ``costs.skip_s``) is at least the rate of drafting: what the batch's drafting rounds
+    measured (:func:`measured_rate`); at most ``max_skip`` rounds in a row, and not
     before a row's first drafting round (:data:`UNMEASURED`), since the next drafting round
     measures the rate again. Where even an acceptance rate of 0.999 would not make drafting
     pay (the costs alone decide), every round skips: nothing is left to measure. So does
-    every round once ``patience`` measuring rounds in a row were followed by a skip
-    (``state.losses``): the batch stops measuring. A batch that has skipped more than
+    every round once ``patience`` row-rounds of measurement in a row were followed by a
+    skip (``state.losses``): the batch stops measuring. A batch that has skipped more than
     ``max_skip`` rounds in a row always skips: its drafter is further behind than one
     re-read (``DecodeConfig.reread``) can catch up.
 
@@ -524,15 +542,38 @@ def should_skip(params: PolicyParams, state: PolicyState, active: jax.Array, max
         return jnp.asarray(False)
     w = active.astype(jnp.float32)
     start = jnp.asarray(0, jnp.int32)
-    deeper, _ = _best_deeper(params.costs, w, w, _rate(state), start, params.k_max)
     best, _ = _best_deeper(params.costs, w, w, jnp.full_like(w, 0.999), start, params.k_max)
     plain = jnp.sum(w) / jnp.maximum(params.costs.skip_s, 1e-12)
     hopeless = plain >= best
     gave_up = (params.patience > 0) & jnp.all(state.losses >= params.patience)
     stale = jnp.any((state.skipped > max_skip) & (state.skipped != UNMEASURED))
     goodput = params.kind == _KINDS.index("goodput")
-    chooses = (plain >= deeper) & (jnp.all(state.skipped < max_skip) | hopeless | gave_up)
+    drafting = measured_rate(params, state, active)
+    chooses = (plain >= drafting) & (jnp.all(state.skipped < max_skip) | hopeless | gave_up)
     return goodput & (chooses | stale) & jnp.any(active)
+
+
+def measured_rate(params: PolicyParams, state: PolicyState, active: jax.Array) -> jax.Array:
+    """The batch's rate of drafting, in tokens per second (``[]`` float32), that the skip
+    decision of ``goodput`` weighs against a plain step: ``sum_b emitted_b / spent_b`` over
+    the ``active`` rows (``[B]`` bool), what its drafting rounds emitted over their cost
+    (``spent_b = sum_d rounds_bd * costs.round_s[d]``, at the costs as they are now: a cost
+    corrected since a round ran applies to it too),
+    times ``1 + spread / sqrt(n)`` for ``n`` measured row-rounds (an upper confidence bound:
+    the policy skips only when drafting is measured slower). Before a row has drafted, the
+    model's prediction stands in: the best rate of drafting ``1..k_max`` tokens at each
+    row's acceptance rate per token. Derivation: ``docs/goodput.md``, "The skip decision".
+    """
+    w = active.astype(jnp.float32)
+    start = jnp.asarray(0, jnp.int32)
+    predicted, _ = _best_deeper(params.costs, w, w, _rate(state), start, params.k_max)
+    spent = state.rounds @ params.costs.round_s  # [B] seconds, at today's costs
+    measured = jnp.sum(state.rounds, axis=-1)  # [B]
+    rate = jnp.sum(w * state.emitted / jnp.maximum(spent, 1e-12))
+    n = jnp.sum(w * measured)
+    bound = rate * (1.0 + params.spread / jnp.sqrt(jnp.maximum(n, 1.0)))
+    known = jnp.all(~active | (measured > 0)) & jnp.any(active)
+    return jnp.where(known, bound, predicted)
 
 
 def _token_estimate(params: PolicyParams, state: PolicyState, features: DrafterFeatures):
@@ -623,8 +664,10 @@ def update_policy_state(
     predicted: jax.Array | None = None,
 ) -> PolicyState:
     """The state after a round that drafted (the ``heuristic`` schedule, ``goodput``'s
-    acceptance counts; its skip count returns to 0, and its count of losing measurements
-    too when the round before drafted as well: that one was followed by a drafting round).
+    acceptance counts, and its measured drafting rate: the round's emitted tokens and its
+    cost, ``costs.round_s`` at the batch's depth; its skip count returns to 0, and its
+    count of losing measurements too when the round before drafted as well: that one was
+    followed by a drafting round).
 
     Args:
       params: the policy.
@@ -643,6 +686,9 @@ def update_policy_state(
     measured = active & (drafted > 0)
     keep = jnp.where(measured, params.memory, 1.0)  # the past's weight in the counts
     add = lambda x: jnp.where(measured, x, 0.0)  # noqa: E731  this round's tokens, in full
+    depth = jnp.max(jnp.where(active, drafted, 0))  # the batch drafts to its deepest row
+    took = active & (depth > 0)  # every row of a drafting round spent its time
+    at = jnp.arange(state.rounds.shape[1]) == jnp.minimum(depth, state.rounds.shape[1] - 1)
     return PolicyState(
         k=jnp.where(active, jnp.minimum(k, params.k_max), state.k),
         accepted=keep * state.accepted + add(accepted.astype(jnp.float32)),
@@ -650,13 +696,20 @@ def update_policy_state(
         predicted=keep * state.predicted + add(predicted),
         skipped=jnp.zeros_like(state.skipped),
         losses=jnp.where(state.skipped == 0, 0, state.losses),
+        emitted=state.emitted + jnp.where(took, accepted + 1, 0).astype(jnp.float32),
+        rounds=state.rounds + (took[:, None] & at[None, :]).astype(jnp.float32),
     )
 
 
-def skipped_round(state: PolicyState, count=1) -> PolicyState:
+def skipped_round(state: PolicyState, count=1, rows=None) -> PolicyState:
     """The state after ``count`` rounds (``[]`` int32 or ``int``) that skipped the drafter
     (plain target steps): a skip right after a drafting round counts that round as a losing
-    measurement (``losses``)."""
+    measurement, weighed by the ``rows`` (``[]`` int32 or ``int``; default: the batch) it
+    measured: ``losses`` counts row-rounds, so a batch of 8 rows measures as much in one
+    round as a single row in 8."""
     ran = jnp.asarray(count, jnp.int32)
+    rows = state.skipped.shape[0] if rows is None else rows
     lost = (state.skipped == 0) & (ran > 0)
-    return state.replace(skipped=state.skipped + ran, losses=state.losses + lost)
+    return state.replace(
+        skipped=state.skipped + ran, losses=state.losses + jnp.where(lost, rows, 0)
+    )

@@ -82,7 +82,14 @@ class PolicyState:
         ``policies.UNMEASURED`` before the first drafting round.
       losses: ``[B]`` int32 measuring rounds in a row after which ``goodput`` skipped the
         drafter again (a drafting round followed by a skip; a drafting round followed by
-        another one resets it); at ``Goodput.patience`` it stops measuring.
+        another one resets it), each counted by the rows it measured (row-rounds); at
+        ``Goodput.patience`` it stops measuring.
+      emitted: ``[B]`` float32 tokens emitted by the row's drafting rounds so far this
+        decode (each round's accepted drafts and the target's token); ``rounds``
+        ``[B, K + 1]`` float32 those rounds counted by the batch's depth, so that
+        ``rounds @ RoundCosts.round_s`` is their cost in seconds. ``emitted`` over that
+        cost is the row's measured rate of drafting, which ``goodput``'s skip decision
+        weighs against a plain step.
     """
 
     k: jax.Array  # [B]
@@ -91,6 +98,8 @@ class PolicyState:
     predicted: jax.Array  # [B]
     skipped: jax.Array  # [B]
     losses: jax.Array  # [B]
+    emitted: jax.Array  # [B]
+    rounds: jax.Array  # [B, K + 1]
 
     if TYPE_CHECKING:  # struct.dataclass adds it at run time, out of mypy's sight
 

@@ -87,12 +87,13 @@ def test_skip_draft_nothing_and_continue_choices():
 
 
 def test_the_batch_stops_measuring_after_patience_losing_measurements():
-    """A measuring round followed by a skip is a loss; after ``patience`` of them in a row
-    the batch skips past ``max_skip``, and from then on always skips (its drafter cannot
-    catch up in one re-read), even where the costs would make drafting pay."""
+    """A measuring round followed by a skip is a loss, counted by the rows it measured;
+    after ``patience`` row-rounds of them in a row the batch skips past ``max_skip``, and
+    from then on always skips (its drafter cannot catch up in one re-read), even where the
+    costs would make drafting pay."""
     config = decoding.DecodeConfig(verification="greedy", max_draft=6, max_skip=2)
     active = jnp.ones((3,), bool)
-    params = _params(MIXED, config, patience=2)
+    params = _params(MIXED, config, patience=6)  # two measuring rounds of 3 rows
     state = P.init_policy_state(params, 3)
     assert not P.should_skip(params, state, active, 2)  # a row's first round drafts
     outcome = dict(drafted=jnp.ones((3,), jnp.int32), accepted=jnp.zeros((3,), jnp.int32))
@@ -104,22 +105,100 @@ def test_the_batch_stops_measuring_after_patience_losing_measurements():
         losses.append(state.losses.tolist())
         if len(losses) == 1:  # one loss: at max_skip it measures again
             assert not P.should_skip(params, state, active, 2)
-    assert losses == [[1, 1, 1], [2, 2, 2]]
+    assert losses == [[3, 3, 3], [6, 6, 6]]
     assert P.should_skip(params, state, active, 2)  # gave up: no measuring round
     never = _params(MIXED, config, patience=0)
     assert not P.should_skip(never, state, active, 2)
     stale = P.skipped_round(state)  # now further behind than one re-read reaches
-    assert stale.skipped.tolist() == [3, 3, 3] and stale.losses.tolist() == [2, 2, 2]
+    assert stale.skipped.tolist() == [3, 3, 3] and stale.losses.tolist() == [6, 6, 6]
     for costs in (CHEAP, MIXED):
         assert P.should_skip(_params(costs, config, patience=0), stale, active, 2)
     # A measuring round followed by a drafting round is a win: the losses start again.
     measured = P.update_policy_state(params, state, active=active, **outcome)
-    assert measured.losses.tolist() == [2, 2, 2]  # decided by the round after it
+    assert measured.losses.tolist() == [6, 6, 6]  # decided by the round after it
     won = P.update_policy_state(params, measured, active=active, **outcome)
     assert won.losses.tolist() == [0, 0, 0]
     assert P.skipped_round(won, 0).losses.tolist() == [0, 0, 0]  # no step ran: no loss
+    # A measurement weighs the rows it measured: one row of three counts 1.
+    assert P.skipped_round(won, 2, rows=1).losses.tolist() == [1, 1, 1]
+    fresh = P.init_policy_state(params, 3)
+    first = P.skipped_round(P.update_policy_state(params, fresh, active=active, **outcome), 2)
+    assert P.should_skip(_params(MIXED, config, patience=3), first, active, 2)  # gave up
+    assert not P.should_skip(params, first, active, 2)
     with pytest.raises(ValueError, match="Goodput.patience"):
         P.Goodput(patience=-1)
+
+
+def test_the_skip_decision_weighs_the_measured_rate():
+    """``goodput`` skips when a plain step is faster than what its drafting rounds measured
+    (emitted tokens over their cost, summed over the rows), not than the geometric model at
+    the rows' average acceptance rate, which underrates rounds that stop where the drafter
+    is unsure; ``spread`` keeps one unlucky round from switching drafting off."""
+    config = decoding.DecodeConfig(verification="greedy", max_draft=6, max_skip=2)
+    active = jnp.ones((3,), bool)
+    params = _params(MIXED, config, spread=0.0)
+    round_s = np.asarray(params.costs.round_s)
+    assert float(params.costs.skip_s) == 1.0  # a plain step: 3 tokens per second
+    # Rows at an acceptance rate of 0.5 and nothing measured: the model decides, and at
+    # that rate drafting one token (1.5 tokens per row in 1.7 s) loses to a plain step.
+    low = P.init_policy_state(params, 3).replace(
+        accepted=jnp.full((3,), 0.5), tested=jnp.ones((3,)), skipped=jnp.zeros((3,), jnp.int32)
+    )
+    assert P.should_skip(params, low, active, 2)
+    # Two depth-1 rounds that emitted 2 tokens per row each: 12 tokens in 3.4 s beat 3/s.
+    two = np.zeros((3, len(round_s)), np.float32)
+    two[:, 1] = 2  # two rounds at depth 1 in every row
+    won = low.replace(emitted=jnp.full((3,), 4.0), rounds=jnp.asarray(two))
+    np.testing.assert_allclose(P.measured_rate(params, won, active), 12 / (2 * 1.7), rtol=1e-6)
+    assert not P.should_skip(params, won, active, 2)
+    lost = won.replace(emitted=jnp.full((3,), 3.0))  # 9 tokens in 3.4 s: 2.65/s
+    assert P.should_skip(params, lost, active, 2)
+    # The spread raises the measured rate by 1 + spread / sqrt(n), n = 6 row-rounds here.
+    doubt = _params(MIXED, config, spread=0.5)
+    bound = 9 / 3.4 * (1 + 0.5 / np.sqrt(6))  # 3.19/s
+    np.testing.assert_allclose(P.measured_rate(doubt, lost, active), bound, rtol=1e-6)
+    assert not P.should_skip(doubt, lost, active, 2)
+    assert P.should_skip(doubt, lost.replace(emitted=jnp.full((3,), 2.0)), active, 2)
+    # A finished row adds nothing to either side (2 tokens per second against 2.35).
+    rows = jnp.array([True, True, False])
+    np.testing.assert_allclose(P.measured_rate(params, won, rows), 8 / 3.4, rtol=1e-6)
+    assert not P.should_skip(params, won, rows, 2)
+    with pytest.raises(ValueError, match="Goodput.spread"):
+        P.Goodput(spread=-0.1)
+
+
+def test_the_measured_rate_counts_what_drafting_rounds_emitted():
+    """Each drafting round adds, for every active row, its accepted drafts and the target's
+    token, and the round's cost at the batch's depth (its deepest active row); a round that
+    drafted nothing and plain steps add nothing."""
+    config = decoding.DecodeConfig(verification="greedy", max_draft=6, max_skip=2)
+    params = _params(MIXED, config)
+    round_s = np.asarray(params.costs.round_s)
+    active = jnp.array([True, True, False])
+    state = P.update_policy_state(
+        params, P.init_policy_state(params, 3), drafted=jnp.array([3, 1, 5]),
+        accepted=jnp.array([2, 0, 5]), active=active,
+    )  # fmt: skip
+    np.testing.assert_allclose(state.emitted, [3, 1, 0])
+    np.testing.assert_array_equal(state.rounds[:, 3], [1, 1, 0])  # counted at depth 3
+    assert float(jnp.sum(state.rounds)) == 2
+    state = P.update_policy_state(
+        params, state, drafted=jnp.array([2, 2, 2]), accepted=jnp.array([2, 1, 0]),
+        active=jnp.ones((3,), bool),
+    )  # fmt: skip
+    np.testing.assert_allclose(state.emitted, [6, 3, 1])
+    spent = np.asarray(state.rounds) @ round_s  # the cost at today's costs
+    np.testing.assert_allclose(spent, [round_s[3] + round_s[2]] * 2 + [round_s[2]], rtol=1e-6)
+    # Costs corrected later apply to the rounds already counted.
+    dearer = params.replace(costs=params.costs.replace(round_s=params.costs.round_s * 2))
+    rate = P.measured_rate(dearer.replace(spread=jnp.asarray(0.0)), state, jnp.ones((3,), bool))
+    np.testing.assert_allclose(rate, np.sum([6, 3, 1] / (2 * spent)), rtol=1e-6)
+    zeros = jnp.zeros((3,), jnp.int32)
+    none = P.update_policy_state(params, state, drafted=zeros, accepted=zeros, active=active)
+    skipped = P.skipped_round(state, 2)
+    for after in (none, skipped):
+        for name in ("emitted", "rounds"):
+            np.testing.assert_array_equal(getattr(after, name), getattr(state, name))
 
 
 def test_goodput_counts_add_each_round_in_full():
@@ -257,8 +336,8 @@ def test_one_program_serves_every_goodput_parameter_and_cost(pair):
     programs = decoding.Programs()
     runs = [
         (MIXED, decoding.Goodput()),
-        (CHEAP, decoding.Goodput(prior=0.3, beta=0.5, memory=0.5)),
-        (DEAR, decoding.Goodput(prior=0.9)),
+        (CHEAP, decoding.Goodput(prior=0.3, beta=0.5, memory=0.5, spread=0.0)),
+        (DEAR, decoding.Goodput(prior=0.9, patience=0)),
     ]
     counts = []
     for costs, policy in runs:

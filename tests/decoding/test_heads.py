@@ -185,7 +185,7 @@ def _kl(p_logits, q_logits):
 # head catches up in one wide re-read, each skipped token with the state the target handed
 # over in its step.
 _SKIPPING = (
-    decoding.Goodput(beta=0.01),
+    decoding.Goodput(beta=0.01, patience=0),  # measures again after every skip
     decoding.PassCosts(rows=3, target_s={1: 1.0, 2: 1.2, 8: 2.0}, drafter_s=0.5),
 )
 

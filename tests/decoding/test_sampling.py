@@ -81,7 +81,8 @@ def test_sampling_with_goodput_matches_target_distribution(small_pair):
     and rounds that draft, mixed in one batch: still the target's distribution."""
     costs = decoding.PassCosts(rows=ROWS, target_s={1: 1.0, 2: 1.2, 8: 2.0}, drafter_s=0.5)
     out = _check_sampling(
-        *small_pair, "sample", 1.0, 1.0, policy=decoding.Goodput(beta=0.01), costs=costs,
+        *small_pair, "sample", 1.0, 1.0, policy=decoding.Goodput(beta=0.01, patience=0),
+        costs=costs,
         max_skip=1,
     )  # fmt: skip
     drafted = out.stats.drafted[out.stats.active]
