@@ -64,8 +64,9 @@ def add_parser(sub) -> None:
         type=policy_arg,
         default="svip:0.3",
         help="draft-length policy: constant:K | heuristic | confidence[:TAU] | "
-        "svip[:H] | cert[:LAMBDA[:BETA]] | goodput[:PRIOR[:BETA]] (cost-aware: measures "
-        "this machine's pass costs once, cached), optional /KMAX (default %(default)s)",
+        "svip[:H] | cert[:LAMBDA[:BETA]] | goodput[:PRIOR[:BETA]][:patience=P][:spread=S]"
+        "[:memory=M] (cost-aware: measures this machine's pass costs once, cached), "
+        "optional /KMAX (default %(default)s)",
     )
     p.add_argument(
         "--verify",

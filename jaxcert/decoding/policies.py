@@ -21,7 +21,8 @@ Policies (``K`` drafted tokens so far, ``q`` the drafter distribution that produ
   as ``(C_q / log 2) ** beta`` and stop when the product over the round's tokens (the chance
   that the whole draft is accepted) falls below ``LAMBDA`` (default 0.55, ``beta`` 0.3).
 
-* ``goodput[:PRIOR[:BETA]]``: cost-aware (this package), see :class:`Goodput`: drafts the
+* ``goodput[:PRIOR[:BETA]][:NAME=VALUE...]``: cost-aware (this package), see
+  :class:`Goodput` (named options ``memory``, ``patience``, ``spread``): drafts the
   depth that maximises the batch's expected emitted tokens per second under the measured
   pass costs (:class:`RoundCosts`), drafting nothing, or skipping the drafter for a plain
   target step, when that is faster (``docs/goodput.md``).
@@ -253,9 +254,21 @@ class Goodput:
 
     @property
     def spec(self) -> str:
+        """The spelling :func:`parse_policy` reads back to this policy (``k_max`` aside)."""
+        parts = ["goodput"]
         if self.beta != 0.3:
-            return f"goodput:{self.prior:g}:{self.beta:g}"
-        return "goodput" if self.prior == 0.6 else f"goodput:{self.prior:g}"
+            parts += [f"{self.prior:g}", f"{self.beta:g}"]
+        elif self.prior != 0.6:
+            parts.append(f"{self.prior:g}")
+        defaults = Goodput()
+        for name in _GOODPUT_OPTIONS:
+            if getattr(self, name) != getattr(defaults, name):
+                parts.append(f"{name}={getattr(self, name):g}")
+        return ":".join(parts)
+
+
+# ``goodput``'s options by name: ``goodput:0.6:memory=0.5:patience=0:spread=0``.
+_GOODPUT_OPTIONS = {"memory": float, "patience": int, "spread": float}
 
 
 Policy = Constant | Heuristic | Confidence | SVIP | Certified | Goodput
@@ -311,6 +324,9 @@ _USER_NAMES = {
     "Certified.beta": "BETA",
     "Goodput.prior": "PRIOR",
     "Goodput.beta": "BETA",
+    "Goodput.memory": "memory",
+    "Goodput.patience": "patience",
+    "Goodput.spread": "spread",
     **{
         f"{cls}.k_max": "KMAX"
         for cls in ("Heuristic", "Confidence", "SVIP", "Certified", "Goodput")
@@ -321,8 +337,9 @@ _USER_NAMES = {
 def parse_policy(spec: str) -> Policy:
     """Parses a policy: ``constant:K``, ``heuristic[:K0]``, ``confidence[:TAU]``, ``svip[:H]``.
 
-    Also ``cert[:LAMBDA[:BETA]]`` and ``goodput[:PRIOR[:BETA]]`` (this package's
-    certificate-aware and cost-aware policies).
+    Also ``cert[:LAMBDA[:BETA]]`` and ``goodput[:PRIOR[:BETA]][:NAME=VALUE...]`` (this
+    package's certificate-aware and cost-aware policies; ``goodput``'s named options are
+    ``memory``, ``patience`` and ``spread``, e.g. ``goodput:patience=0:spread=0.3``).
 
     An optional ``/KMAX`` suffix sets the cap of a dynamic policy, e.g. ``svip:0.3/16``.
 
@@ -333,7 +350,7 @@ def parse_policy(spec: str) -> Policy:
     text, _, cap = text.partition("/")
     name, _, arg = text.partition(":")
     grammar = "constant:K | heuristic[:K0] | confidence[:TAU] | svip[:H] | cert[:LAMBDA[:BETA]]"
-    grammar += " | goodput[:PRIOR[:BETA]] [/KMAX]"
+    grammar += " | goodput[:PRIOR[:BETA]][:memory=M][:patience=P][:spread=S] [/KMAX]"
     if name not in _KINDS:
         raise ValueError(f"unknown policy {spec!r}; expected {grammar}")
     try:
@@ -344,7 +361,16 @@ def parse_policy(spec: str) -> Policy:
             return Constant(k=int(arg))
         if name == "heuristic":
             return Heuristic(k0=int(arg) if arg else 5, **extra)
-        numbers = [float(x) for x in arg.split(":")] if arg else []
+        items = arg.split(":") if arg else []
+        named = {}
+        if name == "goodput":
+            for item in [x for x in items if "=" in x]:
+                key, _, value = item.partition("=")
+                if key not in _GOODPUT_OPTIONS or key in named:
+                    raise ValueError(f"goodput has no option {key!r} (or it is given twice)")
+                named[key] = _GOODPUT_OPTIONS[key](value)
+            items = [x for x in items if "=" not in x]
+        numbers = [float(x) for x in items]
         keys = {
             "confidence": ("tau",),
             "svip": ("h",),
@@ -354,7 +380,7 @@ def parse_policy(spec: str) -> Policy:
         if len(numbers) > len(keys):
             raise ValueError(f"{name} takes at most {len(keys)} parameter(s)")
         cls = {"confidence": Confidence, "svip": SVIP, "cert": Certified, "goodput": Goodput}[name]
-        return cls(**dict(zip(keys, numbers, strict=False)), **extra)
+        return cls(**dict(zip(keys, numbers, strict=False)), **named, **extra)
     except ValueError as err:
         message = in_user_words(err, _USER_NAMES)
         raise ValueError(f"policy {spec!r}: {message}; expected {grammar}") from None

@@ -3,6 +3,7 @@ skip / draft-nothing choices, exact greedy decoding with them on every shape (la
 drafter, draft head, n-gram lookup), one program for every goodput parameter and cost, and
 the cost model's calibration file."""
 
+import dataclasses
 import json
 
 import jax.numpy as jnp
@@ -380,14 +381,24 @@ def test_goodput_with_the_ngram_drafter(pair, want):
         ("goodput", P.Goodput()),
         ("goodput:0.5", P.Goodput(prior=0.5)),
         ("goodput:0.5:0.4/16", P.Goodput(prior=0.5, beta=0.4, k_max=16)),
+        ("goodput:patience=0", P.Goodput(patience=0)),
+        ("goodput:0.5:spread=0:memory=0.5", P.Goodput(prior=0.5, spread=0.0, memory=0.5)),
+        ("goodput:0.7:0.2:patience=8/12", P.Goodput(prior=0.7, beta=0.2, patience=8, k_max=12)),
     ],
 )
 def test_parse_goodput(spec, policy):
     assert P.parse_policy(spec) == policy
-    assert P.parse_policy(policy.spec) == P.Goodput(prior=policy.prior, beta=policy.beta)
+    # The spec reads back to the same policy (its cap aside), named options included.
+    assert P.parse_policy(policy.spec) == dataclasses.replace(policy, k_max=P.DEFAULT_K_MAX)
 
 
-@pytest.mark.parametrize("spec", ["goodput:1", "goodput:0", "goodput:0.5:0", "goodput:1:2:3"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "goodput:1", "goodput:0", "goodput:0.5:0", "goodput:1:2:3", "goodput:patience=-1",
+        "goodput:depth=3", "goodput:spread=x", "goodput:patience=1:patience=2",
+    ],
+)  # fmt: skip
 def test_bad_goodput_spellings_are_named(spec):
     with pytest.raises(ValueError, match="goodput"):
         P.parse_policy(spec)
