@@ -278,11 +278,13 @@ def _drive(pre, pre_args, call, rows: int, progress) -> tuple:
     return state, prefill_s, decode_s
 
 
-def _plain_steps(plain, t_params, state, config: DecodeConfig, chunks: list):
+def _plain_steps(plain, t_params, state, config: DecodeConfig, chunks: list, losing=True):
     """``goodput``'s skipped rounds: up to ``config.skips`` target-only steps (``plain``, a
     compiled :func:`loop.run_target_steps`) on the speculative state. The drafter's cache
     and re-read start stay (it catches up in its next re-read); the skip count grows by the
     steps run; each step is recorded as a round that drafted nothing and emitted one token.
+    ``losing=False`` (a probe of the plain step's cost, not a skip the policy chose): the
+    drafting round before it does not count as a losing measurement.
     Returns ``(state, steps run)``."""
     before = np.asarray(jax.device_get(state.rounds))  # read before `plain` donates it
     state = plain(t_params, state)
@@ -290,7 +292,8 @@ def _plain_steps(plain, t_params, state, config: DecodeConfig, chunks: list):
     assert state.policy is not None
     ran = int(steps.max(initial=0))
     rows = int(np.sum(steps > 0))  # rows still decoding: those the last measurement weighed
-    state = state.replace(policy=policies_lib.skipped_round(state.policy, ran, rows))
+    weighed = rows if losing else 0
+    state = state.replace(policy=policies_lib.skipped_round(state.policy, ran, weighed))
     active = np.arange(config.skips)[:, None] < steps[None, :]  # [S, B]
     rounds, batch = active.shape
     empty = jax.device_get(stats_lib.empty_round_stats(rounds, batch, config.num_nodes))
@@ -345,7 +348,10 @@ def speculative_decode(
         and the host's calls). Default (``None``): correct costs calibrated here, keep
         ``costs`` given by the caller as they are. Never for a draft head, whose skipped
         rounds run inside the round loop, nor across processes (each would time its own
-        calls, and the costs are one replicated value).
+        calls, and the costs are one replicated value). A decode that corrects its costs
+        and has drafted but not yet skipped runs one call of plain steps (up to
+        ``max_skip``) to time them, so that a calibration that overstates a plain step is
+        corrected too.
 
     Returns:
       A :class:`DecodeOutput`.
@@ -428,8 +434,13 @@ def speculative_decode(
     def call(state):
         nonlocal policy_params
         t0 = time.perf_counter()
-        if hand_off and bool(plan(policy_params, state)):
-            state, ran = _plain_steps(plain, t_params, state, static, chunks)
+        skip = hand_off and bool(plan(policy_params, state))
+        # The plain step's cost is measured too, once a decode has drafted: a calibration
+        # that overstates it would otherwise keep the policy drafting, unchecked
+        # (docs/goodput.md, "Measuring the plain step too").
+        probe = hand_off and tracker is not None and bool(chunks) and not tracker.observed["step"]
+        if skip or probe:
+            state, ran = _plain_steps(plain, t_params, state, static, chunks, losing=skip)
             if tracker is not None:
                 tracker.observe_steps(time.perf_counter() - t0, ran)
         else:

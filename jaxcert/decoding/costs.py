@@ -153,6 +153,9 @@ class CostTracker:
     sums as ``prior_weight`` rounds' worth of evidence, so a run starts where the last one
     ended and its own calls soon outweigh them.
 
+    ``observed`` counts the calls this tracker timed, by kind (``"round"``, ``"step"``;
+    the prior not included).
+
     Args:
       base: the calibrated :class:`~jaxcert.decoding.policies.RoundCosts` (passes only).
       memory: weight of the past per call, in ``[0, 1)``.
@@ -188,10 +191,12 @@ class CostTracker:
         prior = (0.0, 0.0) if prior is None else prior
         self._excess = {"round": prior[0] * weight, "step": prior[1] * weight}
         self._count = {"round": weight, "step": weight}
+        self.observed = {"round": 0, "step": 0}  # calls timed by this tracker (no prior)
 
     def _observe(self, kind: str, seconds: float, predicted: float, count: int) -> None:
         if count <= 0 or not np.isfinite(seconds):
             return
+        self.observed[kind] += 1
         self._excess[kind] = self.memory * self._excess[kind] + (seconds - predicted)
         self._count[kind] = self.memory * self._count[kind] + count
 

@@ -362,15 +362,9 @@ def parse_policy(spec: str) -> Policy:
         if name == "heuristic":
             return Heuristic(k0=int(arg) if arg else 5, **extra)
         items = arg.split(":") if arg else []
-        named = {}
-        if name == "goodput":
-            for item in [x for x in items if "=" in x]:
-                key, _, value = item.partition("=")
-                if key not in _GOODPUT_OPTIONS or key in named:
-                    raise ValueError(f"goodput has no option {key!r} (or it is given twice)")
-                named[key] = _GOODPUT_OPTIONS[key](value)
-            items = [x for x in items if "=" not in x]
-        numbers = [float(x) for x in items]
+        named = _named_options(name, items)
+        items = [x for x in items if "=" not in x]
+        numbers = [_number(name, x) for x in items]
         keys = {
             "confidence": ("tau",),
             "svip": ("h",),
@@ -384,6 +378,43 @@ def parse_policy(spec: str) -> Policy:
     except ValueError as err:
         message = in_user_words(err, _USER_NAMES)
         raise ValueError(f"policy {spec!r}: {message}; expected {grammar}") from None
+
+
+def _named_options(name: str, items: list[str]) -> dict[str, float | int]:
+    """``goodput``'s ``NAME=VALUE`` items of a policy spelling, after its positional ones.
+
+    Raises:
+      ValueError: a named option of another policy, an unknown or repeated name, a value
+        that is not a number of the option's type, or a positional parameter after one.
+    """
+    named: dict[str, float | int] = {}
+    for item in items:
+        if "=" not in item:
+            if named:
+                raise ValueError(f"{name}'s parameter {item!r} comes after a named option")
+            continue
+        key, _, value = item.partition("=")
+        if name != "goodput":
+            raise ValueError(f"{name} takes no named options, got {item!r}")
+        if key not in _GOODPUT_OPTIONS:
+            known = ", ".join(_GOODPUT_OPTIONS)
+            raise ValueError(f"goodput has no option {key!r} (its options: {known})")
+        if key in named:
+            raise ValueError(f"goodput's option {key!r} is given twice")
+        kind = _GOODPUT_OPTIONS[key]
+        try:
+            named[key] = kind(value)
+        except ValueError:
+            what = "an integer" if kind is int else "a number"
+            raise ValueError(f"goodput's {key} must be {what}, got {value!r}") from None
+    return named
+
+
+def _number(name: str, text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"{name}'s parameters are numbers, got {text!r}") from None
 
 
 @struct.dataclass

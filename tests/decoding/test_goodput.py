@@ -404,6 +404,24 @@ def test_bad_goodput_spellings_are_named(spec):
         P.parse_policy(spec)
 
 
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("goodput:patience=1.5", "goodput's patience must be an integer, got '1.5'"),
+        ("goodput:spread=x", "goodput's spread must be a number, got 'x'"),
+        ("goodput:depth=3", "goodput has no option 'depth' \\(its options: memory, patience"),
+        ("goodput:patience=1:patience=2", "goodput's option 'patience' is given twice"),
+        ("goodput:0.5:patience=2:0.4", "parameter '0.4' comes after a named option"),
+        ("goodput::", "goodput's parameters are numbers, got ''"),
+        ("cert:patience=2", "cert takes no named options, got 'patience=2'"),
+        ("svip:x", "svip's parameters are numbers, got 'x'"),
+    ],
+)
+def test_bad_policy_spellings_say_what_is_wrong(spec, message):
+    with pytest.raises(ValueError, match=message):
+        P.parse_policy(spec)
+
+
 def test_round_costs_by_depth():
     config = decoding.DecodeConfig(verification="greedy", max_draft=5, max_skip=8)
     assert config.verify_buckets() == (0, 1, 2, 4, 5)
@@ -561,3 +579,43 @@ def test_learnt_overheads_are_kept_with_the_calibration(pair, tmp_path):
     del data["round_overhead_s"], data["step_overhead_s"]
     assert PassCosts.from_json(data).round_overhead_s == 0.0
     assert costs_lib.remember(tmp_path / "missing.json", tracker) is None
+
+
+def test_the_plain_step_is_measured_once_when_the_decode_never_skips(pair, want, monkeypatch):
+    """Costs calibrated here (CHEAP: drafting looks far better than a plain step) are
+    corrected from timed calls, and a plain step's cost is one of them: after the first
+    call of the round loop, one call of plain steps runs to time them (a probe, which does
+    not count as a losing measurement, so drafting goes on after it). Costs the caller
+    gives are not corrected, so nothing is probed. Both stay exact."""
+    from jaxcert.decoding import api
+
+    calls = []
+
+    def spy(*args, losing=True, **kw):
+        state, ran = plain_steps(*args, losing=losing, **kw)
+        calls.append((losing, ran))
+        return state, ran
+
+    plain_steps = api._plain_steps
+    monkeypatch.setattr(api, "_plain_steps", spy)
+    monkeypatch.setattr(costs_lib, "calibrate", lambda *a, **k: CHEAP)
+    config = decoding.DecodeConfig(
+        verification="greedy", max_new_tokens=MAX_NEW, max_draft=5, max_skip=2
+    )
+    policy = decoding.Goodput(beta=0.01, patience=1)
+    for given, probes in ((None, [(False, 2)]), (CHEAP, [])):
+        calls.clear()
+        out = decoding.speculative_decode(
+            *pair, PROMPTS, config=config, policy=policy, prompt_width=WIDTH, costs=given
+        )
+        for got, ref in zip(out.tokens, want.tokens, strict=True):
+            np.testing.assert_array_equal(got, ref)
+        assert [c for c in calls if not c[0]] == probes
+        st = out.stats
+        drafted = np.any(st.active & (st.drafted > 0), axis=1)  # [R]
+        if probes:
+            # The first call's rounds (8, all drafting at these costs), then the probe's 2
+            # plain steps, then drafting again: patience=1 would have stopped it otherwise.
+            assert drafted[:8].all() and not drafted[8:10].any() and drafted[10:].any()
+        else:
+            assert not calls
