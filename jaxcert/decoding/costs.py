@@ -151,7 +151,11 @@ class CostTracker:
 
     Overheads learnt by an earlier run (``prior``, seconds per round and per step) start the
     sums as ``prior_weight`` rounds' worth of evidence, so a run starts where the last one
-    ended and its own calls soon outweigh them.
+    ended and its own calls soon outweigh them. The plain step's prior is dropped at this
+    tracker's first timed steps: the skip decision hinges on that cost, and a decode
+    measures it first-hand early on (``speculative_decode`` probes it), where a prior
+    learnt in another decode (another temperature, a first execution) can be far off
+    (``docs/goodput.md``, "Measuring the plain step too").
 
     ``observed`` counts the calls this tracker timed, by kind (``"round"``, ``"step"``;
     the prior not included).
@@ -196,6 +200,8 @@ class CostTracker:
     def _observe(self, kind: str, seconds: float, predicted: float, count: int) -> None:
         if count <= 0 or not np.isfinite(seconds):
             return
+        if kind == "step" and not self.observed["step"]:  # first-hand evidence replaces
+            self._excess["step"] = self._count["step"] = 0.0  # the prior (see the class doc)
         self.observed[kind] += 1
         self._excess[kind] = self.memory * self._excess[kind] + (seconds - predicted)
         self._count[kind] = self.memory * self._count[kind] + count

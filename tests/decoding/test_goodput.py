@@ -574,6 +574,12 @@ def test_learnt_overheads_are_kept_with_the_calibration(pair, tmp_path):
     np.testing.assert_allclose(nxt.overhead_s("round"), 0.3)
     nxt.observe_rounds(float(passes[[1, 1, 1, 1]].sum()) + 4 * 1.0, [1, 1, 1, 1])
     np.testing.assert_allclose(nxt.overhead_s("round"), (0.5 * 4 * 0.3 + 4.0) / (0.5 * 4 + 4))
+    # A plain step's prior counts only until this tracker times steps of its own.
+    np.testing.assert_allclose(nxt.overhead_s("step"), 0.05)
+    nxt.observe_steps(2 * float(base.skip_s) - 2 * 0.1, 2)
+    np.testing.assert_allclose(nxt.overhead_s("step"), -0.1, rtol=1e-6)
+    nxt.observe_steps(2 * float(base.skip_s) + 2 * 0.2, 2)
+    np.testing.assert_allclose(nxt.overhead_s("step"), (0.5 * 2 * -0.1 + 0.4) / (0.5 * 2 + 2))
     # A file of the same format without learnt overheads reads as none learnt.
     data = json.loads(path.read_text())
     del data["round_overhead_s"], data["step_overhead_s"]
