@@ -361,10 +361,8 @@ def parse_policy(spec: str) -> Policy:
             return Constant(k=int(arg))
         if name == "heuristic":
             return Heuristic(k0=int(arg) if arg else 5, **extra)
-        items = arg.split(":") if arg else []
-        named = _named_options(name, items)
-        items = [x for x in items if "=" not in x]
-        numbers = [_number(name, x) for x in items]
+        positional, named = _split_options(name, arg.split(":") if arg else [])
+        numbers = [_number(name, x) for x in positional]
         keys = {
             "confidence": ("tau",),
             "svip": ("h",),
@@ -380,18 +378,21 @@ def parse_policy(spec: str) -> Policy:
         raise ValueError(f"policy {spec!r}: {message}; expected {grammar}") from None
 
 
-def _named_options(name: str, items: list[str]) -> dict[str, float | int]:
-    """``goodput``'s ``NAME=VALUE`` items of a policy spelling, after its positional ones.
+def _split_options(name: str, items: list[str]) -> tuple[list[str], dict[str, float | int]]:
+    """``(positional, named)``: a policy spelling's positional items, then ``goodput``'s
+    ``NAME=VALUE`` options after them.
 
     Raises:
       ValueError: a named option of another policy, an unknown or repeated name, a value
         that is not a number of the option's type, or a positional parameter after one.
     """
+    positional: list[str] = []
     named: dict[str, float | int] = {}
     for item in items:
         if "=" not in item:
             if named:
                 raise ValueError(f"{name}'s parameter {item!r} comes after a named option")
+            positional.append(item)
             continue
         key, _, value = item.partition("=")
         if name != "goodput":
@@ -407,7 +408,7 @@ def _named_options(name: str, items: list[str]) -> dict[str, float | int]:
         except ValueError:
             what = "an integer" if kind is int else "a number"
             raise ValueError(f"goodput's {key} must be {what}, got {value!r}") from None
-    return named
+    return positional, named
 
 
 def _number(name: str, text: str) -> float:
