@@ -73,13 +73,20 @@ class PassCosts:
     def target(self, width: int) -> float:
         """Seconds of a target pass of ``width`` positions (linear between measured widths).
 
+        A pass reads a prefix of any wider pass's positions, so it cannot cost more: a
+        measured width dearer than a wider one was slowed by something else on the machine
+        (timing noise only ever adds). Each width is therefore priced at the least seconds
+        measured at it or any wider width (the suffix minimum), which keeps the prices
+        non-decreasing in width (``docs/goodput.md``, "The cost model").
+
         Raises:
           ValueError: nothing measured.
         """
         if not self.target_s:
             raise ValueError("PassCosts has no target measurement")
         widths = sorted(self.target_s)
-        return float(np.interp(width, widths, [self.target_s[w] for w in widths]))
+        seconds = np.minimum.accumulate([self.target_s[w] for w in widths][::-1])[::-1]
+        return float(np.interp(width, widths, seconds))
 
     def round_costs(self, config: DecodeConfig, *, overhead: bool = True) -> RoundCosts:
         """The ``[K + 1]`` seconds of a round by drafted depth, and of a plain step.

@@ -433,6 +433,24 @@ def test_round_costs_by_depth():
     assert costs_lib.nodes_at_depth(decoding.DecodeConfig(verification="tree:2x3")) == [0, 2, 4, 6]
 
 
+def test_a_narrower_pass_is_never_priced_above_a_wider_one():
+    # The batch-1 calibration of the 1.5B on this machine: widths 2 and 3 were slowed by
+    # something else (0.60, 0.63 s) and measured dearer than width 5 (0.42 s).
+    measured = {1: 0.296, 2: 0.605, 3: 0.626, 5: 0.420, 9: 0.529, 17: 0.658}
+    costs = PassCosts(rows=1, target_s=measured, drafter_s=0.1)
+    priced = [costs.target(w) for w in (1, 2, 3, 4, 5, 9, 13, 17)]
+    np.testing.assert_allclose(
+        priced, [0.296, 0.420, 0.420, 0.420, 0.420, 0.529, (0.529 + 0.658) / 2, 0.658]
+    )
+    assert costs.target_s == measured  # the raw timings are kept
+    config = decoding.DecodeConfig(verification="greedy", max_draft=4, buckets=(0, 1, 2, 4))
+    rounds = np.asarray(costs.round_costs(config, overhead=False).round_s)
+    assert np.all(np.diff(rounds) >= 0), rounds
+    # A monotone table is priced as measured.
+    plain = PassCosts(rows=1, target_s={1: 1.0, 2: 1.5, 5: 3.0}, drafter_s=0.0)
+    np.testing.assert_allclose([plain.target(w) for w in (1, 2, 3, 5)], [1.0, 1.5, 2.0, 3.0])
+
+
 def test_calibrate_measures_once_and_keeps_the_result(pair, tmp_path, monkeypatch):
     config = decoding.DecodeConfig(verification="greedy", max_draft=2, max_skip=1)
     calls = []
