@@ -161,6 +161,13 @@ def _args(argv=None):
         help="time the first unit of each batch size and temperature without an untimed "
         "decode of every configuration before it",
     )
+    p.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="every row decodes --max-new-tokens tokens, end tokens or not (as vLLM's "
+        "throughput benchmark): at T > 0 a batch runs until its longest sample ends, so "
+        "samples of random length make a batch's tokens/s noisy; see docs/benchmarks.md",
+    )
     p.add_argument("--hf-peer", action="store_true", help="also time transformers (PyTorch)")
     p.add_argument("--hf-threads", type=int, default=2)
     p.add_argument("--hf-prompts", type=int, default=None, help="the first N prompts only")
@@ -619,7 +626,7 @@ def main(argv=None) -> int:
         drafters["ngram"] = decoding.NgramDrafter(args.ngram)
         shapes += [f"ngram/{s}" for s in args.ngram_shapes.split(",")]
     load_s = time.perf_counter() - t0
-    eos = target.eos_ids
+    eos = () if args.ignore_eos else target.eos_ids
     encoded = prompts.encode_prompts(target.tokenizer, prompt_set)
     log(
         f"[bench] loaded in {load_s:.0f} s; {len(encoded)} prompts; {len(shapes)} shapes x "

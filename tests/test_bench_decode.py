@@ -1,6 +1,7 @@
 """scripts/bench_decode.py on tiny checkpoints: an interrupted run resumes where it stopped
 and decodes what an uninterrupted one does; a checkpoint is never overwritten silently."""
 
+import dataclasses
 import importlib.util
 import json
 import pathlib
@@ -106,3 +107,30 @@ def test_resume_needs_a_checkpoint(setup, tmp_path):
         bench.main(_argv(setup, tmp_path / "none.json", "--resume"))
     with pytest.raises(SystemExit, match="choose one"):
         bench.main(_argv(setup, tmp_path / "none.json", "--resume", "--overwrite"))
+
+
+def test_ignore_eos_decodes_every_row_to_the_budget(setup, monkeypatch):
+    # An eighth of the tiny vocabulary ends a sequence: at T = 1 rows end early, unless
+    # --ignore-eos, which decodes every row to its 6 tokens.
+    bench = _script()
+    real_load = bench.models.load
+    ends = tuple(range(0, 42, 6))  # 7 ids; the tokenizer adds its <|im_end|>
+
+    def load(name):
+        m = real_load(name)
+        return dataclasses.replace(m, config=dataclasses.replace(m.config, eos_token_ids=ends))
+
+    monkeypatch.setattr(bench.models, "load", load)
+    root = setup[0]
+    counts = {}
+    for extra in ((), ("--ignore-eos",)):
+        out = root / f"eos{len(extra)}.json"
+        assert bench.main(_argv(setup, out, "--batch-sizes", "2", *extra)) == 0
+        with out.with_suffix(".units.pkl").open("rb") as f:
+            results = bench.pickle.load(f)["results"]
+        assert set(results) == {(2, 1.0, s, p) for s, p in (
+            ("target", "-"), ("chain", "constant:2"), ("ngram/chain", "constant:3")
+        )}  # fmt: skip
+        counts[extra] = [n for runs in results.values() for n in runs["tokens"]]
+    assert counts[("--ignore-eos",)] == [12] * 6  # 3 configurations x 2 units of 2 rows
+    assert min(counts[()]) < 12
