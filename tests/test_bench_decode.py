@@ -1,5 +1,6 @@
 """scripts/bench_decode.py on tiny checkpoints: an interrupted run resumes where it stopped
-and decodes what an uninterrupted one does; a checkpoint is never overwritten silently."""
+and decodes what an uninterrupted one does; a checkpoint is never overwritten silently;
+``--ignore-eos`` decodes every row to its budget."""
 
 import dataclasses
 import importlib.util
