@@ -218,13 +218,14 @@ class _FixedCosts:
 
 
 def _passes_only(target, drafters, shape, fixed, configs, unit):
-    """The calibrated pass costs of a ``fixed-goodput`` run, without learnt overheads."""
+    """The calibrated pass costs of a ``fixed-goodput`` run, without what earlier decodes
+    taught (learnt overheads, past drafting)."""
     drafter = _drafter(drafters, shape)
     if isinstance(drafter, decoding.NgramDrafter) and drafter.config is None:
         drafter = drafter.for_vocabulary(target.config.vocab_size)  # as speculative_decode
     config = decoding.resolved_config(configs[shape], target, drafter, fixed.policy)
     costs = decoding.calibrate(target, drafter, rows=len(unit), config=config.shape_only())
-    return dataclasses.replace(costs, round_overhead_s=0.0, step_overhead_s=0.0)
+    return dataclasses.replace(costs, round_overhead_s=0.0, step_overhead_s=0.0, drafting={})
 
 
 def _drafter(drafters: dict, shape: str):

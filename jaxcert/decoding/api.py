@@ -396,6 +396,13 @@ def speculative_decode(
             )
         round_costs = costs.round_costs(static)
     policy_params = policies_lib.PolicyParams.from_policy(policy, round_costs)
+    mode = costs_lib.sampling_mode(config.temperature)
+    past = costs.drafting.get(mode) if goodput and costs is not None else None
+    if past is not None and len(past.rounds) == round_costs.round_s.shape[0]:
+        # What earlier decodes' drafting produced: the first round's skip decision weighs
+        # it (docs/goodput.md, "What earlier decodes measured").
+        policy_params = policy_params.with_past(*past.per_row(int(prompt.shape[0])))
+    past_row = jax.device_get((policy_params.past_emitted, policy_params.past_rounds))
     if isinstance(config.tree, loop.tree_lib.Chain) and policy.k_max > config.max_draft:
         policy_params = policy_params.replace(k_max=jnp.asarray(config.max_draft, jnp.int32))
     policy_params, key, settings = _replicated((policy_params, key, settings), placement)
@@ -461,7 +468,16 @@ def speculative_decode(
     stats = jax.tree.map(lambda x: x[keep], stats)
     tokens, rounds = _outputs(state, rows)
     if tracker is not None and calibrated is not None:
-        costs_lib.remember(calibrated, tracker)  # the next run starts from what this one saw
+        # The next run starts from what this one saw: the overheads, and what drafting
+        # produced this decode (the rows' counts less the prior they started with).
+        assert state.policy is not None
+        emitted, counted = jax.device_get((state.policy.emitted, state.policy.rounds))
+        drafted = (
+            mode,
+            float(np.sum(emitted[:rows] - past_row[0])),
+            np.maximum(np.sum(counted[:rows] - past_row[1], axis=0), 0.0),
+        )
+        costs_lib.remember(calibrated, tracker, drafted)
     weighed = jax.device_get(policy_params.costs) if goodput else None
     return DecodeOutput(
         tokens, stats, rounds, prefill_s, decode_s, compile_s, compiled, round_costs=weighed

@@ -12,7 +12,9 @@ widths), and :meth:`PassCosts.round_costs` lowers it to the traced
 prints the same measurements. A calibration times the passes alone; a decoder's round also
 pays for acceptance, cache rollback, statistics and the host's calls, so
 :class:`CostTracker` corrects the calibrated costs from the decoder's own timed calls as it
-runs (``docs/goodput.md``, "Costs that correct themselves").
+runs (``docs/goodput.md``, "Costs that correct themselves"). What a decoder learnt (those
+overheads, and what its drafting rounds produced: :class:`PastDrafting`) is kept in the
+same file by :func:`remember`, so the next decode starts from it.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from jaxcert.decoding.protocols import reads_target
 
 __all__ = [
     "PassCosts",
+    "PastDrafting",
     "CostTracker",
     "measure",
     "calibrate",
@@ -48,6 +51,61 @@ __all__ = [
 ]
 
 FORMAT = 1  # version of the cached JSON
+
+# What one decode's drafting weighs in the next (docs/goodput.md, "What earlier decodes
+# measured"): the kept evidence halves with every decode, whatever that decode measured,
+# and never exceeds one round of the batch (one row-round per row).
+PAST_DECAY = 0.5
+
+
+def sampling_mode(temperature: float) -> str:
+    """``"greedy"`` at temperature 0, else ``"sampling"``: past drafting is kept apart by
+    this, since acceptance differs between the two."""
+    return "greedy" if temperature == 0 else "sampling"
+
+
+@dataclasses.dataclass(frozen=True)
+class PastDrafting:
+    """What ``goodput``'s drafting rounds produced in earlier decodes (one pass-costs file:
+    one machine, model pair, batch size; one sampling mode), as evidence for the next.
+
+    Attributes:
+      emitted: tokens those rounds emitted, summed over rows (row-rounds), decayed.
+      rounds: ``K + 1`` row-rounds by the depth the batch drafted, decayed; their sum is
+        the evidence's weight ``n``.
+    """
+
+    emitted: float
+    rounds: tuple[float, ...]
+
+    @property
+    def weight(self) -> float:
+        """Row-rounds of evidence."""
+        return float(sum(self.rounds))
+
+    def then(self, emitted: float, rounds, *, rows: int, decay: float = PAST_DECAY):
+        """The evidence after a decode of ``rows`` rows whose drafting rounds emitted
+        ``emitted`` tokens in ``rounds`` (``[K + 1]`` row-rounds by depth; zeros: it never
+        drafted): ``decay`` times this plus that, scaled down to at most ``rows``
+        row-rounds. A decode that did not draft therefore halves the weight, and one with
+        little weight left drafts again to measure (``docs/goodput.md``).
+
+        Raises:
+          ValueError: ``rounds`` of another length than this evidence's.
+        """
+        rounds = np.asarray(rounds, np.float64)
+        if rounds.shape != (len(self.rounds),):
+            raise ValueError(f"rounds of shape {rounds.shape}, expected ({len(self.rounds)},)")
+        new_rounds = decay * np.asarray(self.rounds) + rounds
+        new_emitted = decay * self.emitted + float(emitted)
+        scale = min(1.0, rows / max(float(new_rounds.sum()), 1e-12))
+        return PastDrafting(new_emitted * scale, tuple(float(r * scale) for r in new_rounds))
+
+    def per_row(self, rows: int) -> tuple[float, np.ndarray]:
+        """``(emitted, rounds [K + 1])`` per row for a batch of ``rows`` rows, the prior
+        each row starts with (at most one row-round each)."""
+        scale = 1.0 / rows / max(1.0, self.weight / rows)
+        return self.emitted * scale, np.asarray(self.rounds) * scale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +120,8 @@ class PassCosts:
       round_overhead_s, step_overhead_s: seconds a decoder's speculative round (plain
         target step) took beyond its passes, as :class:`CostTracker` learnt them in
         earlier runs (0: not learnt; may be negative).
+      drafting: ``{mode: PastDrafting}`` what ``goodput``'s drafting produced in earlier
+        decodes, by :func:`sampling_mode` (empty: nothing kept).
     """
 
     rows: int
@@ -69,6 +129,7 @@ class PassCosts:
     drafter_s: float
     round_overhead_s: float = 0.0
     step_overhead_s: float = 0.0
+    drafting: dict[str, PastDrafting] = dataclasses.field(default_factory=dict)
 
     def target(self, width: int) -> float:
         """Seconds of a target pass of ``width`` positions (linear between measured widths).
@@ -113,6 +174,10 @@ class PassCosts:
             "drafter_s": self.drafter_s,
             "round_overhead_s": self.round_overhead_s,
             "step_overhead_s": self.step_overhead_s,
+            "drafting": {
+                mode: {"emitted": past.emitted, "rounds": list(past.rounds)}
+                for mode, past in sorted(self.drafting.items())
+            },
         }
 
     @classmethod
@@ -128,8 +193,14 @@ class PassCosts:
                 drafter_s=float(data["drafter_s"]),
                 round_overhead_s=float(data.get("round_overhead_s", 0.0)),
                 step_overhead_s=float(data.get("step_overhead_s", 0.0)),
+                drafting={
+                    str(mode): PastDrafting(
+                        float(past["emitted"]), tuple(float(r) for r in past["rounds"])
+                    )
+                    for mode, past in data.get("drafting", {}).items()
+                },
             )
-        except (KeyError, TypeError, ValueError) as err:
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise ValueError(f"malformed pass costs: {err}") from None
 
 
@@ -382,19 +453,35 @@ def _write(path: pathlib.Path, costs: PassCosts) -> None:
     tmp.replace(path)
 
 
-def remember(path: str | os.PathLike, tracker: CostTracker) -> PassCosts | None:
-    """Keeps the overheads ``tracker`` learnt in the calibration file at ``path``, so the
-    next run starts from them; returns the updated costs (``None``: no usable file there,
-    nothing written)."""
+def remember(
+    path: str | os.PathLike,
+    tracker: CostTracker,
+    drafted: tuple[str, float, np.ndarray] | None = None,
+) -> PassCosts | None:
+    """Keeps what a decode learnt in the calibration file at ``path``, so the next run
+    starts from it: the overheads ``tracker`` learnt, and ``drafted``, ``(mode, emitted,
+    rounds)``: what the decode's drafting rounds emitted in how many row-rounds by depth
+    (``[K + 1]``; zeros if it never drafted), folded into that mode's
+    :class:`PastDrafting` (:meth:`PastDrafting.then`). Returns the updated costs
+    (``None``: no usable file there, nothing written)."""
     path = pathlib.Path(path)
     try:
         costs = PassCosts.from_json(json.loads(path.read_text()))
     except (OSError, ValueError, json.JSONDecodeError):
         return None
+    drafting = dict(costs.drafting)
+    if drafted is not None:
+        mode, emitted, rounds = drafted
+        rounds = np.asarray(rounds, np.float64)
+        past = drafting.get(mode)
+        if past is None or len(past.rounds) != rounds.shape[0]:
+            past = PastDrafting(0.0, (0.0,) * rounds.shape[0])
+        drafting[mode] = past.then(emitted, rounds, rows=costs.rows)
     costs = dataclasses.replace(
         costs,
         round_overhead_s=tracker.overhead_s("round"),
         step_overhead_s=tracker.overhead_s("step"),
+        drafting=drafting,
     )
     _write(path, costs)
     return costs

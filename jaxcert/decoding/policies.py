@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from jaxcert.base.validate import check_float, check_int, check_probability, in_user_words
@@ -431,6 +432,13 @@ class PolicyParams:
       tau, h, c, lam, beta, prior, memory, spread: ``[]`` float32 parameters (unused ones
         are 0).
       costs: the :class:`RoundCosts` ``goodput`` weighs (zeros for the others).
+      past_emitted: ``[]`` float32 ``goodput``'s prior for each row's measured drafting
+        rate: the tokens emitted by drafting rounds of earlier decodes, per row (what
+        :class:`~jaxcert.decoding.costs.PastDrafting` kept; 0: none). Each row starts with
+        them as if it had drafted them this decode; ``past_rounds`` ``[K + 1]`` (or ``[1]``,
+        broadcast) float32 those rounds by depth, so ``sum(past_rounds)`` is the prior's
+        weight in row-rounds. With a prior, a row's first round need not draft:
+        ``docs/goodput.md``, "What earlier decodes measured".
     """
 
     kind: jax.Array
@@ -446,6 +454,8 @@ class PolicyParams:
     memory: jax.Array
     spread: jax.Array
     costs: RoundCosts
+    past_emitted: jax.Array
+    past_rounds: jax.Array
 
     if TYPE_CHECKING:  # struct.dataclass adds it at run time, out of mypy's sight
 
@@ -477,13 +487,36 @@ class PolicyParams:
         else:
             raise ValueError(f"not a policy: {policy!r}")
         f32 = lambda v: jnp.asarray(v, jnp.float32)  # noqa: E731
+        costs = RoundCosts.unknown(0) if costs is None else costs
         return cls(
             kind=jnp.asarray(_KINDS.index(kind), jnp.int32),
             k=jnp.asarray(values["k"], jnp.int32),
             k_max=jnp.asarray(policy.k_max, jnp.int32),
             patience=jnp.asarray(patience, jnp.int32),
             **{n: f32(v) for n, v in values.items() if n != "k"},
-            costs=RoundCosts.unknown(0) if costs is None else costs,
+            costs=costs,
+            past_emitted=f32(0.0),
+            past_rounds=jnp.zeros_like(costs.round_s, jnp.float32),
+        )
+
+    def with_past(self, emitted, rounds) -> PolicyParams:
+        """These params with ``goodput``'s prior from earlier decodes: ``emitted`` tokens
+        (``[]``) and ``rounds`` (``[K + 1]``, by depth) per row; zeros: no prior.
+
+        Raises:
+          ValueError: ``rounds`` not of the costs' shape, or a negative or non-finite entry.
+        """
+        rounds = np.asarray(rounds, np.float64)
+        if rounds.shape != tuple(self.costs.round_s.shape):
+            raise ValueError(
+                f"past rounds of shape {rounds.shape}, expected {tuple(self.costs.round_s.shape)}"
+            )
+        values = np.append(rounds, emitted)
+        if not np.all(np.isfinite(values)) or np.any(values < 0):
+            raise ValueError(f"past drafting must be finite and >= 0, got {emitted!r}, {rounds}")
+        return self.replace(
+            past_emitted=jnp.asarray(emitted, jnp.float32),
+            past_rounds=jnp.asarray(rounds, jnp.float32),
         )
 
 
@@ -523,16 +556,23 @@ UNMEASURED = 1 << 20
 
 def init_policy_state(params: PolicyParams, batch: int) -> PolicyState:
     """The state of ``batch`` rows before their first round (``goodput``'s counts hold
-    one tested token accepted at the prior rate; ``skipped`` is :data:`UNMEASURED`)."""
+    one tested token accepted at the prior rate; ``skipped`` is :data:`UNMEASURED`). With
+    a prior from earlier decodes (``params.past_rounds`` not all 0) every row starts with
+    it as its measured drafting (``emitted``, ``rounds``) and ``skipped`` is 0: the first
+    round's skip decision weighs the prior, and a skip then counts as a losing
+    measurement."""
+    depths = params.costs.round_s.shape[0]
+    past = jnp.broadcast_to(params.past_rounds, (depths,)).astype(jnp.float32)
+    known = jnp.sum(past) > 0
     return PolicyState(
         k=jnp.full((batch,), params.k, jnp.int32),
         accepted=jnp.full((batch,), params.prior, jnp.float32),
         tested=jnp.ones((batch,), jnp.float32),
         predicted=jnp.ones((batch,), jnp.float32),
-        skipped=jnp.full((batch,), UNMEASURED, jnp.int32),
+        skipped=jnp.full((batch,), jnp.where(known, 0, UNMEASURED), jnp.int32),
         losses=jnp.zeros((batch,), jnp.int32),
-        emitted=jnp.zeros((batch,), jnp.float32),
-        rounds=jnp.zeros((batch, params.costs.round_s.shape[0]), jnp.float32),
+        emitted=jnp.full((batch,), jnp.where(known, params.past_emitted, 0.0), jnp.float32),
+        rounds=jnp.broadcast_to(jnp.where(known, past, 0.0), (batch, depths)),
     )
 
 

@@ -640,3 +640,134 @@ def test_the_plain_step_is_measured_once_when_the_decode_never_skips(pair, want,
             assert drafted[:8].all() and not drafted[8:10].any() and drafted[10:].any()
         else:
             assert not calls
+
+
+def _prior(params, rows, emitted_per_row, depth=1):
+    """``params`` with a prior of one row-round per row at ``depth`` that emitted
+    ``emitted_per_row`` tokens."""
+    rounds = np.zeros(params.costs.round_s.shape, np.float64)
+    rounds[depth] = 1.0
+    return params.with_past(emitted_per_row, rounds)
+
+
+def test_a_prior_from_earlier_decodes_decides_the_first_round():
+    """With what earlier decodes' drafting produced, a row's first round weighs it like its
+    own measurement (an upper confidence bound over the prior's row-rounds): a losing prior
+    makes the first round a plain step, counted as a losing measurement, so a batch whose
+    rows reach ``patience`` stops measuring at once; a winning prior drafts, and need not
+    draft a token to measure. No prior (zeros) is the old start: the first round drafts."""
+    config = decoding.DecodeConfig(verification="greedy", max_draft=6, max_skip=2)
+    active = jnp.ones((3,), bool)
+    params = _params(MIXED, config)  # patience 2 row-rounds; a plain step: 3 tokens/s
+    t1 = float(params.costs.round_s[1])
+    # One depth-1 round per row that emitted only the target's token: 3 / t1 tokens/s,
+    # raised by 1 + 0.5 / sqrt(3), is below the plain step's 3.
+    assert 3 / t1 * (1 + 0.5 / np.sqrt(3)) < 3
+    losing = _prior(params, 3, 1.0)
+    state = P.init_policy_state(losing, 3)
+    assert state.skipped.tolist() == [0, 0, 0] and state.emitted.tolist() == [1, 1, 1]
+    np.testing.assert_array_equal(state.rounds[:, 1], [1, 1, 1])
+    np.testing.assert_allclose(
+        P.measured_rate(losing, state, active), 3 / t1 * (1 + 0.5 / np.sqrt(3)), rtol=1e-6
+    )
+    assert P.should_skip(losing, state, active, 2)
+    state = P.skipped_round(state, 2)  # the host's plain steps: a loss of 3 row-rounds
+    assert state.losses.tolist() == [3, 3, 3]
+    assert P.should_skip(losing, state, active, 2)  # gave up: no measuring round follows
+    one_row = P.skipped_round(P.init_policy_state(losing, 3), 2, rows=1)
+    assert not P.should_skip(losing, one_row, active, 2)  # 1 < patience: it measures
+    # A winning prior (4 tokens per row-round) drafts, and its first round is not forced
+    # to draft a token (the prior has measured).
+    winning = _prior(params, 3, 4.0)
+    fresh = P.init_policy_state(winning, 3)
+    assert not P.should_skip(winning, fresh, active, 2)
+    bad = P.DrafterFeatures(
+        top=jnp.full((3,), 0.3), entropy=jnp.full((3,), 3.0), cert=jnp.full((3,), 1e-6)
+    )
+    assert not P.draft_any(winning, fresh, bad)
+    assert P.draft_any(params, P.init_policy_state(params, 3), bad)  # no prior: measures
+    # No prior: the first round drafts (UNMEASURED), as before.
+    none = params.with_past(0.0, np.zeros(params.costs.round_s.shape))
+    assert P.init_policy_state(none, 3).skipped.tolist() == [P.UNMEASURED] * 3
+    assert not P.should_skip(none, P.init_policy_state(none, 3), active, 2)
+    with pytest.raises(ValueError, match="past rounds of shape"):
+        params.with_past(1.0, np.ones(2))
+    with pytest.raises(ValueError, match="finite and >= 0"):
+        params.with_past(-1.0, np.ones(params.costs.round_s.shape))
+
+
+def test_past_drafting_decays_caps_and_round_trips():
+    """The kept evidence halves with each decode and adds the decode's own, capped at one
+    row-round per row; a decode that never drafted only halves it. Per row, a batch starts
+    with at most one row-round. It is kept by sampling mode in the calibration file."""
+    past = costs_lib.PastDrafting(0.0, (0.0, 0.0, 0.0))
+    first = past.then(10.0, [0.0, 4.0, 2.0], rows=8)  # 6 row-rounds, under the cap
+    assert first == costs_lib.PastDrafting(10.0, (0.0, 4.0, 2.0))
+    second = first.then(12.0, [0.0, 8.0, 0.0], rows=8)  # 5 + 12 = 17 tokens, 11 row-rounds
+    np.testing.assert_allclose(second.weight, 8.0)
+    np.testing.assert_allclose(second.emitted, 17.0 * 8 / 11)
+    np.testing.assert_allclose(second.rounds, np.array([0.0, 10.0, 1.0]) * 8 / 11)
+    idle = second.then(0.0, [0.0, 0.0, 0.0], rows=8)
+    np.testing.assert_allclose([idle.weight, idle.emitted], [4.0, second.emitted / 2])
+    emitted, rounds = idle.per_row(8)
+    np.testing.assert_allclose([emitted, rounds.sum()], [idle.emitted / 8, 0.5])
+    emitted, rounds = second.then(80.0, [0.0, 40.0, 0.0], rows=8).per_row(8)
+    np.testing.assert_allclose(rounds.sum(), 1.0)  # capped: one row-round per row
+    with pytest.raises(ValueError, match="rounds of shape"):
+        first.then(1.0, [1.0], rows=8)
+    costs = dataclasses.replace(MIXED, drafting={"sampling": second})
+    assert PassCosts.from_json(json.loads(json.dumps(costs.to_json()))) == costs
+    assert PassCosts.from_json(MIXED.to_json()).drafting == {}
+    broken = costs.to_json() | {"drafting": {"greedy": {"emitted": 1.0}}}
+    with pytest.raises(ValueError, match="malformed pass costs"):
+        PassCosts.from_json(broken)
+    assert costs_lib.sampling_mode(0.0) == "greedy" and costs_lib.sampling_mode(0.7) == "sampling"
+
+
+def test_a_decode_starts_from_what_earlier_decodes_drafting_measured(
+    pair, want, tmp_path, monkeypatch
+):
+    """End to end, with costs calibrated here: a kept prior that says drafting loses makes
+    every round of the next greedy decode a plain step (the drafter never runs; the output
+    is target-only greedy's), and that decode, having drafted nothing, halves the kept
+    weight. Without the prior the same decode drafts, and what it measured is kept under
+    its sampling mode."""
+    monkeypatch.setenv("JAXCERT_CACHE", str(tmp_path))
+    config = decoding.DecodeConfig(
+        verification="greedy", max_new_tokens=MAX_NEW, max_draft=5, max_skip=2
+    )
+    resolved = decoding.resolved_config(config, *pair, decoding.Goodput())
+    path = costs_lib.cache_path(*pair, rows=3, config=resolved.shape_only())
+    depths = MIXED.round_costs(resolved).round_s.shape[0]
+    rounds = np.zeros(depths)
+    rounds[1] = 3.0
+    losing = costs_lib.PastDrafting(3.0, tuple(rounds))  # one token per row-round
+    run = lambda: decoding.speculative_decode(  # noqa: E731
+        *pair, PROMPTS, config=config, policy=decoding.Goodput(), prompt_width=WIDTH
+    )  # fmt: skip
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(dataclasses.replace(MIXED, drafting={"greedy": losing}).to_json()))
+    out = run()
+    for got, ref in zip(out.tokens, want.tokens, strict=True):
+        np.testing.assert_array_equal(got, ref)
+    assert not np.any(out.stats.active & (out.stats.drafted > 0))  # never drafted
+    kept = PassCosts.from_json(json.loads(path.read_text())).drafting
+    assert set(kept) == {"greedy"}
+    np.testing.assert_allclose(kept["greedy"].rounds, rounds / 2)
+    np.testing.assert_allclose(kept["greedy"].emitted, 1.5)
+    # No prior: the first round drafts, and the decode's drafting is kept.
+    path.write_text(json.dumps(MIXED.to_json()))
+    out = run()
+    for got, ref in zip(out.tokens, want.tokens, strict=True):
+        np.testing.assert_array_equal(got, ref)
+    drafted = out.stats.active & (out.stats.drafted > 0)
+    assert drafted[0].all()
+    kept = PassCosts.from_json(json.loads(path.read_text())).drafting["greedy"]
+    assert 0 < kept.weight <= 3
+    depth = np.where(out.stats.active, out.stats.drafted, 0).max(axis=1)  # the batch's
+    took = out.stats.active & (depth[:, None] > 0)  # [R, B] row-rounds that paid a round
+    real = np.stack([np.bincount(depth[took[:, b]], minlength=depths) for b in range(3)])
+    emitted = np.where(took, out.stats.emitted, 0).sum()
+    scale = min(1.0, 3 / real.sum())
+    np.testing.assert_allclose(kept.rounds, real.sum(axis=0) * scale, rtol=1e-5)
+    np.testing.assert_allclose(kept.emitted, emitted * scale, rtol=1e-5)
