@@ -301,6 +301,50 @@ def _plain_steps(plain, t_params, state, config: DecodeConfig, chunks: list, los
     return state, ran
 
 
+def _never_drafts(params: policies_lib.PolicyParams, config: DecodeConfig, batch: int) -> bool:
+    """Whether ``goodput`` will run every round of a ``batch``-row decode as a plain step:
+    its first round skips on the prior from earlier decodes, and that skip, a losing
+    measurement of ``batch`` row-rounds, reaches ``patience``, so it never measures again
+    (``docs/goodput.md``, "What earlier decodes measured")."""
+    patience = int(jax.device_get(params.patience))
+    if config.skips == 0 or patience <= 0 or batch < patience:
+        return False
+    state = policies_lib.init_policy_state(params, batch)
+    active = jnp.ones((batch,), bool)  # every row, padding rows included, starts active
+    return bool(policies_lib.should_skip(params, state, active, config.skips))
+
+
+def _without_drafter(
+    target, prompts, config, static, *, key, prompt_width, progress, mesh, on_compile,
+    programs, costs, policy_params, calibrated, mode,
+) -> DecodeOutput:  # fmt: skip
+    """A ``goodput`` decode that will not draft (:func:`_never_drafts`), run as
+    :func:`target_decode`: every step is recorded as a round that drafted nothing and
+    emitted one token, and the past is kept with nothing drafted (so its weight halves).
+    The decision is made once, before the prefill, with the costs as they stand."""
+    out = target_decode(
+        target, prompts, max_new_tokens=config.max_new_tokens, temperature=config.temperature,
+        top_p=config.top_p, eos_ids=config.eos_ids, key=key, prompt_width=prompt_width,
+        progress=progress, mesh=mesh, on_compile=on_compile, programs=programs,
+    )  # fmt: skip
+    steps = np.asarray(out.rounds)  # [B] steps per row
+    active = np.arange(int(steps.max(initial=0)))[:, None] < steps[None, :]  # [R, B]
+    rounds, batch = active.shape
+    stats = jax.device_get(stats_lib.empty_round_stats(rounds, batch, static.num_nodes))
+    stats = stats.replace(active=active, emitted=active.astype(np.int32))
+    if calibrated is not None:
+        # The overheads stay as they were: target-only steps are not the speculative
+        # decoder's plain steps (other calls, another state), so they teach it nothing.
+        learnt = (costs.round_overhead_s, costs.step_overhead_s)
+        tracker = costs_lib.CostTracker(
+            costs.round_costs(static, overhead=False), prior=learnt if any(learnt) else None
+        )
+        depths = policy_params.costs.round_s.shape[0]
+        costs_lib.remember(calibrated, tracker, (mode, 0.0, np.zeros(depths)))
+    weighed = jax.device_get(policy_params.costs)
+    return dataclasses.replace(out, stats=stats, round_costs=weighed)
+
+
 def speculative_decode(
     target,
     drafter,
@@ -351,7 +395,11 @@ def speculative_decode(
         calls, and the costs are one replicated value). A decode that corrects its costs
         and has drafted but not yet skipped runs one call of plain steps (up to
         ``max_skip``) to time them, so that a calibration that overstates a plain step is
-        corrected too.
+        corrected too. What a decode's drafting produced is kept with costs calibrated
+        here, and the next decode at this batch size and sampling mode starts from it
+        (``docs/goodput.md``, "What earlier decodes measured"); when it says the decode
+        will not draft at all, the decode runs as :func:`target_decode` (the drafter does
+        not read the prompts) and its statistics record plain rounds.
 
     Returns:
       A :class:`DecodeOutput`.
@@ -398,7 +446,9 @@ def speculative_decode(
     policy_params = policies_lib.PolicyParams.from_policy(policy, round_costs)
     mode = costs_lib.sampling_mode(config.temperature)
     past = costs.drafting.get(mode) if goodput and costs is not None else None
-    if past is not None and len(past.rounds) == round_costs.round_s.shape[0]:
+    if past is not None and len(past.rounds) != round_costs.round_s.shape[0]:
+        past = None  # kept for another draft depth: not this decode's evidence
+    if past is not None:
         # What earlier decodes' drafting produced: the first round's skip decision weighs
         # it (docs/goodput.md, "What earlier decodes measured").
         policy_params = policy_params.with_past(*past.per_row(int(prompt.shape[0])))
@@ -406,6 +456,16 @@ def speculative_decode(
     if isinstance(config.tree, loop.tree_lib.Chain) and policy.k_max > config.max_draft:
         policy_params = policy_params.replace(k_max=jnp.asarray(config.max_draft, jnp.int32))
     policy_params, key, settings = _replicated((policy_params, key, settings), placement)
+    hand_off = loop.hands_off(static)
+    if hand_off and past is not None and _never_drafts(policy_params, static, prompt.shape[0]):
+        # What earlier decodes measured says this decode will not draft at all: it runs as
+        # target-only decoding, and the drafter does not even read the prompts.
+        return _without_drafter(
+            target, prompts, config, static, key=key, prompt_width=width, progress=progress,
+            mesh=mesh, on_compile=on_compile, programs=programs, costs=costs,
+            policy_params=policy_params, calibrated=calibrated if correct_costs else None,
+            mode=mode,
+        )  # fmt: skip
     programs = default_programs() if programs is None else programs
     t0, before = time.perf_counter(), programs.compiled
     graphdefs = {"t_graphdef": t_graphdef, "d_graphdef": d_graphdef}
@@ -415,7 +475,6 @@ def speculative_decode(
     )
     run_args = (t_params, d_params, pre.out_info, policy_params)
     run = programs.compile(loop.run_rounds, run_args, graphdefs | {"config": static}, on_compile)
-    hand_off = loop.hands_off(static)
     if hand_off:  # goodput's plain steps run in the target-only program
         plan = programs.compile(
             loop.skip_next, (policy_params, pre.out_info), {"config": static}, on_compile

@@ -194,14 +194,22 @@ class PassCosts:
                 round_overhead_s=float(data.get("round_overhead_s", 0.0)),
                 step_overhead_s=float(data.get("step_overhead_s", 0.0)),
                 drafting={
-                    str(mode): PastDrafting(
-                        float(past["emitted"]), tuple(float(r) for r in past["rounds"])
-                    )
-                    for mode, past in data.get("drafting", {}).items()
+                    str(mode): _past(past) for mode, past in data.get("drafting", {}).items()
                 },
             )
         except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise ValueError(f"malformed pass costs: {err}") from None
+
+
+def _past(data: dict) -> PastDrafting:
+    """A :class:`PastDrafting` from its JSON form; ``ValueError`` unless ``rounds`` is a
+    list of numbers and every value is finite and ``>= 0``."""
+    if not isinstance(data["rounds"], list):
+        raise ValueError(f"drafting rounds must be a list, got {data['rounds']!r}")
+    values = [float(data["emitted"])] + [float(r) for r in data["rounds"]]
+    if not all(np.isfinite(v) and v >= 0 for v in values):
+        raise ValueError(f"drafting counts must be finite and >= 0, got {data!r}")
+    return PastDrafting(values[0], tuple(values[1:]))
 
 
 def _corrected(round_s, skip_s: float, round_o: float, step_o: float, *, floor: float):

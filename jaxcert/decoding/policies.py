@@ -210,7 +210,8 @@ class Goodput:
     row-rounds: an upper confidence bound) against a plain target step without the
     drafter, and skips the drafter when the step is faster (at
     most ``DecodeConfig.max_skip`` rounds in a row, then one round drafts to measure again;
-    a row's first round always drafts, unless the costs alone rule drafting out; after
+    a row's first round always drafts, unless the costs alone rule drafting out or a prior
+    from earlier decodes (``PolicyParams.with_past``) says drafting loses; after
     ``patience`` row-rounds of measurement in a row that were followed by a skip, it stops
     measuring and runs plain steps to the end of the decode). While
     drafting, it keeps going while some deeper draft, its future tokens
@@ -669,7 +670,9 @@ def measured_rate(params: PolicyParams, state: PolicyState, active: jax.Array) -
     measured = jnp.sum(state.rounds, axis=-1)  # [B]
     rate = jnp.sum(w * state.emitted / jnp.maximum(spent, 1e-12))
     n = jnp.sum(w * measured)
-    bound = rate * (1.0 + params.spread / jnp.sqrt(jnp.maximum(n, 1.0)))
+    # No floor at one row-round: a prior from earlier decodes may weigh less (it halves
+    # with each decode), and its bound must keep rising until a decode measures again.
+    bound = rate * (1.0 + params.spread / jnp.sqrt(jnp.maximum(n, 1e-6)))
     known = jnp.all(~active | (measured > 0)) & jnp.any(active)
     return jnp.where(known, bound, predicted)
 

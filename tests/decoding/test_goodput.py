@@ -642,12 +642,12 @@ def test_the_plain_step_is_measured_once_when_the_decode_never_skips(pair, want,
             assert not calls
 
 
-def _prior(params, rows, emitted_per_row, depth=1):
-    """``params`` with a prior of one row-round per row at ``depth`` that emitted
-    ``emitted_per_row`` tokens."""
+def _prior(params, emitted_per_row, weight=1.0, depth=1):
+    """``params`` with a prior of ``weight`` row-rounds per row at ``depth`` that emitted
+    ``emitted_per_row`` tokens per row-round."""
     rounds = np.zeros(params.costs.round_s.shape, np.float64)
-    rounds[depth] = 1.0
-    return params.with_past(emitted_per_row, rounds)
+    rounds[depth] = weight
+    return params.with_past(emitted_per_row * weight, rounds)
 
 
 def test_a_prior_from_earlier_decodes_decides_the_first_round():
@@ -663,7 +663,7 @@ def test_a_prior_from_earlier_decodes_decides_the_first_round():
     # One depth-1 round per row that emitted only the target's token: 3 / t1 tokens/s,
     # raised by 1 + 0.5 / sqrt(3), is below the plain step's 3.
     assert 3 / t1 * (1 + 0.5 / np.sqrt(3)) < 3
-    losing = _prior(params, 3, 1.0)
+    losing = _prior(params, 1.0)
     state = P.init_policy_state(losing, 3)
     assert state.skipped.tolist() == [0, 0, 0] and state.emitted.tolist() == [1, 1, 1]
     np.testing.assert_array_equal(state.rounds[:, 1], [1, 1, 1])
@@ -676,9 +676,18 @@ def test_a_prior_from_earlier_decodes_decides_the_first_round():
     assert P.should_skip(losing, state, active, 2)  # gave up: no measuring round follows
     one_row = P.skipped_round(P.init_policy_state(losing, 3), 2, rows=1)
     assert not P.should_skip(losing, one_row, active, 2)  # 1 < patience: it measures
+    # The same rate with less weight (it halves with each decode that did not draft): the
+    # bound rises without a floor at one row-round, until the first round drafts again.
+    skips = []
+    for halvings in range(8):
+        faded = _prior(params, 1.0, weight=0.5**halvings)
+        skips.append(bool(P.should_skip(faded, P.init_policy_state(faded, 3), active, 2)))
+    n = 3 * 0.5 ** np.arange(8)
+    np.testing.assert_array_equal(skips, 3 / t1 * (1 + 0.5 / np.sqrt(n)) < 3)
+    assert skips[0] and not skips[-1]
     # A winning prior (4 tokens per row-round) drafts, and its first round is not forced
     # to draft a token (the prior has measured).
-    winning = _prior(params, 3, 4.0)
+    winning = _prior(params, 4.0)
     fresh = P.init_policy_state(winning, 3)
     assert not P.should_skip(winning, fresh, active, 2)
     bad = P.DrafterFeatures(
@@ -718,45 +727,80 @@ def test_past_drafting_decays_caps_and_round_trips():
     costs = dataclasses.replace(MIXED, drafting={"sampling": second})
     assert PassCosts.from_json(json.loads(json.dumps(costs.to_json()))) == costs
     assert PassCosts.from_json(MIXED.to_json()).drafting == {}
-    broken = costs.to_json() | {"drafting": {"greedy": {"emitted": 1.0}}}
-    with pytest.raises(ValueError, match="malformed pass costs"):
-        PassCosts.from_json(broken)
+    for bad in (
+        {"emitted": 1.0},
+        {"emitted": float("nan"), "rounds": [0.0, 1.0]},
+        {"emitted": 1.0, "rounds": [0.0, -1.0]},
+        {"emitted": 1.0, "rounds": "12"},
+    ):
+        broken = json.loads(json.dumps(costs.to_json() | {"drafting": {"greedy": bad}}))
+        with pytest.raises(ValueError, match="malformed pass costs"):
+            PassCosts.from_json(broken)
     assert costs_lib.sampling_mode(0.0) == "greedy" and costs_lib.sampling_mode(0.7) == "sampling"
+
+
+# A losing prior (one token per depth-1 row-round) stays losing, but drafting is not ruled
+# out by the costs alone once the tiny models' plain steps correct ``skip_s`` to its floor.
+SPLIT = PassCosts(rows=3, target_s={1: 1.0, 2: 1.5, 8: 2.0}, drafter_s=0.05)
 
 
 def test_a_decode_starts_from_what_earlier_decodes_drafting_measured(
     pair, want, tmp_path, monkeypatch
 ):
     """End to end, with costs calibrated here: a kept prior that says drafting loses makes
-    every round of the next greedy decode a plain step (the drafter never runs; the output
-    is target-only greedy's), and that decode, having drafted nothing, halves the kept
-    weight. Without the prior the same decode drafts, and what it measured is kept under
-    its sampling mode."""
+    the next greedy decode run as target-only decoding (its first round would skip, and
+    that loss of 3 row-rounds reaches ``patience``): the drafter never reads the prompts,
+    the output is target-only greedy's, every round is recorded as a plain one, and the
+    decode, having drafted nothing, halves the kept weight. With ``patience`` above the
+    batch the first round skips inside the speculative decoder and it measures later.
+    Without the prior the same decode drafts, and what it measured is kept under its
+    sampling mode."""
+    from jaxcert.decoding import loop
+
     monkeypatch.setenv("JAXCERT_CACHE", str(tmp_path))
     config = decoding.DecodeConfig(
         verification="greedy", max_new_tokens=MAX_NEW, max_draft=5, max_skip=2
     )
     resolved = decoding.resolved_config(config, *pair, decoding.Goodput())
     path = costs_lib.cache_path(*pair, rows=3, config=resolved.shape_only())
-    depths = MIXED.round_costs(resolved).round_s.shape[0]
+    depths = SPLIT.round_costs(resolved).round_s.shape[0]
     rounds = np.zeros(depths)
     rounds[1] = 3.0
     losing = costs_lib.PastDrafting(3.0, tuple(rounds))  # one token per row-round
-    run = lambda: decoding.speculative_decode(  # noqa: E731
-        *pair, PROMPTS, config=config, policy=decoding.Goodput(), prompt_width=WIDTH
+    default = decoding.Goodput()
+    run = lambda policy=default, **kw: decoding.speculative_decode(  # noqa: E731
+        *pair, PROMPTS, config=config, policy=policy, prompt_width=WIDTH, **kw
     )  # fmt: skip
     path.parent.mkdir(parents=True)
-    path.write_text(json.dumps(dataclasses.replace(MIXED, drafting={"greedy": losing}).to_json()))
-    out = run()
+    path.write_text(json.dumps(dataclasses.replace(SPLIT, drafting={"greedy": losing}).to_json()))
+    programs = decoding.Programs()
+    out = run(programs=programs)
     for got, ref in zip(out.tokens, want.tokens, strict=True):
         np.testing.assert_array_equal(got, ref)
-    assert not np.any(out.stats.active & (out.stats.drafted > 0))  # never drafted
+    assert not programs.of(loop.prefill) and programs.of(loop.prefill_target)
+    assert not np.any(out.stats.drafted) and np.all(out.stats.emitted == out.stats.active)
+    np.testing.assert_array_equal(out.stats.active.sum(axis=0), [len(t) for t in out.tokens])
     kept = PassCosts.from_json(json.loads(path.read_text())).drafting
     assert set(kept) == {"greedy"}
     np.testing.assert_allclose(kept["greedy"].rounds, rounds / 2)
     np.testing.assert_allclose(kept["greedy"].emitted, 1.5)
+    # patience 4 > 3 rows: the skip does not stop measuring, so the speculative decoder
+    # runs; its first round is a plain step, and later rounds measure.
+    path.write_text(json.dumps(dataclasses.replace(SPLIT, drafting={"greedy": losing}).to_json()))
+    out = run(decoding.Goodput(patience=4), programs=programs)
+    for got, ref in zip(out.tokens, want.tokens, strict=True):
+        np.testing.assert_array_equal(got, ref)
+    assert programs.of(loop.prefill)
+    drafted = np.any(out.stats.active & (out.stats.drafted > 0), axis=1)
+    assert not drafted[0] and drafted.any()
+    # What is kept: the prior halved plus this decode's own drafting (its rows' counts
+    # less the prior they started with).
+    kept = PassCosts.from_json(json.loads(path.read_text())).drafting["greedy"]
+    want_kept = losing.then(*_drafting_of(out.stats, depths), rows=3)
+    np.testing.assert_allclose(kept.rounds, want_kept.rounds, rtol=1e-5)
+    np.testing.assert_allclose(kept.emitted, want_kept.emitted, rtol=1e-5)
     # No prior: the first round drafts, and the decode's drafting is kept.
-    path.write_text(json.dumps(MIXED.to_json()))
+    path.write_text(json.dumps(SPLIT.to_json()))
     out = run()
     for got, ref in zip(out.tokens, want.tokens, strict=True):
         np.testing.assert_array_equal(got, ref)
@@ -764,10 +808,18 @@ def test_a_decode_starts_from_what_earlier_decodes_drafting_measured(
     assert drafted[0].all()
     kept = PassCosts.from_json(json.loads(path.read_text())).drafting["greedy"]
     assert 0 < kept.weight <= 3
-    depth = np.where(out.stats.active, out.stats.drafted, 0).max(axis=1)  # the batch's
-    took = out.stats.active & (depth[:, None] > 0)  # [R, B] row-rounds that paid a round
-    real = np.stack([np.bincount(depth[took[:, b]], minlength=depths) for b in range(3)])
-    emitted = np.where(took, out.stats.emitted, 0).sum()
+    emitted, real = _drafting_of(out.stats, depths)
     scale = min(1.0, 3 / real.sum())
-    np.testing.assert_allclose(kept.rounds, real.sum(axis=0) * scale, rtol=1e-5)
+    np.testing.assert_allclose(kept.rounds, real * scale, rtol=1e-5)
     np.testing.assert_allclose(kept.emitted, emitted * scale, rtol=1e-5)
+
+
+def _drafting_of(stats, depths):
+    """``(emitted, [depths] row-rounds by depth)`` of a decode's drafting rounds, from its
+    statistics: every active row of a round that drafted, at the batch's depth, with its
+    accepted drafts and the target's token (uncut by the budget, as the policy counts)."""
+    depth = np.where(stats.active, stats.drafted, 0).max(axis=1)  # [R] the batch's
+    took = stats.active & (depth[:, None] > 0)  # [R, B] row-rounds that paid a round
+    rounds = np.bincount(np.broadcast_to(depth[:, None], took.shape)[took], minlength=depths)
+    emitted = np.where(took, stats.accepted + 1, 0).sum()  # as the policy counts them
+    return float(emitted), rounds.astype(np.float64)
