@@ -311,7 +311,8 @@ def _never_drafts(params: policies_lib.PolicyParams, config: DecodeConfig, batch
         return False
     state = policies_lib.init_policy_state(params, batch)
     active = jnp.ones((batch,), bool)  # every row, padding rows included, starts active
-    return bool(policies_lib.should_skip(params, state, active, config.skips))
+    need = jnp.ones((batch,), jnp.float32)  # equal budgets: only their ratios matter
+    return bool(policies_lib.should_skip(params, state, active, config.skips, need))
 
 
 def _without_drafter(

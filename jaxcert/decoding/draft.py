@@ -192,6 +192,7 @@ def draft(
     top_p: jax.typing.ArrayLike,
     context: jax.Array | None = None,
     base_width: int | None = None,
+    need: jax.Array | None = None,
 ) -> tuple[DraftTree, Cache]:
     """Drafts one tree (or chain) per row.
 
@@ -210,6 +211,9 @@ def draft(
         (temperature and top-p: scalars, traced).
       context: for a draft head, ``[B, width, C]`` the target's states before the re-read
         tokens (``DecodeState.drafter_context``); ``None`` for a language model.
+      need: ``[B]`` float32 tokens each row still has to write (0: done): ``goodput`` then
+        weighs the batch's finishing time (``docs/goodput.md``); ``None``: its total
+        tokens per second.
 
     Returns:
       ``(tree, cache)``: the :class:`DraftTree` and the drafter cache (garbage past ``n``).
@@ -227,12 +231,13 @@ def draft(
     key, sub = jax.random.split(key)
     tok, logq, valid = _first_children(sub, q_root, m, sampling, temperature, top_p)
     feats = policies_lib.drafter_features(q_root)
-    valid = valid & policies_lib.draft_any(policy, policy_state, feats)  # goodput may not
+    valid = valid & policies_lib.draft_any(policy, policy_state, feats, need)  # goodput may not
     q_buf, nodes = _init_nodes(q_root, tok, logq, valid, shape, max_depth)
     one = jnp.ones((b,), jnp.int32)
     cont, survival = policies_lib.should_continue(
-        policy, policy_state, feats, one, policies_lib.Survival.start(b), jnp.any(valid, -1)
-    )
+        policy, policy_state, feats, one, policies_lib.Survival.start(b), jnp.any(valid, -1),
+        need,
+    )  # fmt: skip
     frontier = (tok, jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32), (b, m)), valid, logq)
     seg_start = jnp.repeat(length, m)
 
@@ -267,8 +272,9 @@ def draft(
             )
         feats = policies_lib.drafter_features(q[rows, best])
         more, survival = policies_lib.should_continue(
-            policy, policy_state, feats, one * (depth + 1), survival, jnp.any(frontier[2], -1)
-        )
+            policy, policy_state, feats, one * (depth + 1), survival, jnp.any(frontier[2], -1),
+            need,
+        )  # fmt: skip
         cont = cont & more & (depth + 1 < limit)
         return depth + 1, cont, survival, frontier, parent_slot, f_ctx, nodes, q_buf, cache, key
 

@@ -303,7 +303,14 @@ def hands_off(config: DecodeConfig) -> bool:
 def _skip_next(policy, state: DecodeState, config) -> jax.Array:
     """``[]`` bool: the next round would skip the drafter (``goodput``)."""
     assert state.policy is not None
-    return policies_lib.should_skip(policy, state.policy, ~state.done, config.skips)
+    return policies_lib.should_skip(policy, state.policy, ~state.done, config.skips, _need(state))
+
+
+def _need(state: DecodeState) -> jax.Array:
+    """``[B]`` float32 tokens each row still has to write (0 once done): ``goodput`` weighs
+    the batch's finishing time with it (``docs/goodput.md``)."""
+    remaining = state.settings.max_new_tokens - state.generated
+    return jnp.where(state.done, 0, jnp.maximum(remaining, 1)).astype(jnp.float32)
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
@@ -371,6 +378,7 @@ def _speculative_round(
         length=state.length,
         start=state.drafter_start,
         limit=jnp.maximum(remaining - 1, 1),
+        need=_need(state),
         policy=policy,
         policy_state=state.policy,
         key=k_draft,

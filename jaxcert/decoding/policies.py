@@ -582,25 +582,51 @@ def _rate(state: PolicyState) -> jax.Array:
     return jnp.clip(state.accepted / jnp.maximum(state.tested, 1e-6), 0.0, 0.999)
 
 
-def _best_deeper(costs: RoundCosts, expected, prob, a, drafted, k_max):
-    """The best tokens-per-second of a draft deeper than ``drafted``, and of stopping.
+def _batch(values: jax.Array, need: jax.Array | None) -> jax.Array:
+    """The batch's figure of per-row tokens ``values`` (``[B]`` or ``[B, K + 1]``).
+
+    ``need`` ``None``: their sum over the rows (tokens per round of the whole batch). Else
+    ``[B]`` the tokens each row still has to write (0: done): the least ``values_b /
+    need_b`` over the rows still decoding, the share of its remaining work that the row
+    furthest from finishing does (a batch ends when its last row does:
+    ``docs/goodput.md``, "A batch finishes with its last row"); 0 when every row is done.
+    """
+    if need is None:
+        return jnp.sum(values, axis=0)
+    need = jnp.asarray(need, jnp.float32).reshape((-1,) + (1,) * (values.ndim - 1))
+    share = jnp.where(need > 0, values / jnp.maximum(need, 1e-12), jnp.inf)
+    return jnp.where(jnp.any(need > 0), jnp.min(share, axis=0), 0.0)
+
+
+def _best_deeper(costs: RoundCosts, expected, prob, a, drafted, k_max, need=None):
+    """The best rate of a draft deeper than ``drafted``, and of stopping.
 
     Row ``b`` stops with ``expected[b]`` tokens; drafting ``j`` more adds
     ``prob[b] * (a + a^2 + ... + a^j)`` (each further token accepted with probability
-    ``a[b]``). Depth ``d`` costs ``costs.round_s[d]``. Every ``[B]``; returns two ``[]``.
+    ``a[b]``). Depth ``d`` costs ``costs.round_s[d]``. Every ``[B]``; returns two ``[]``:
+    the batch's tokens per second (``need`` ``None``), or with ``need`` (``[B]`` tokens
+    each row still has to write) the rate at which the row furthest from finishing gets
+    through its remaining work (:func:`_batch`).
     """
     depths = jnp.arange(costs.round_s.shape[0], dtype=jnp.int32)  # [K + 1]
     j = jnp.maximum(depths - drafted, 0).astype(jnp.float32)  # further tokens
     a = jnp.clip(a, 0.0, 0.999)[:, None]
     geometric = a * (1.0 - a**j) / (1.0 - a)  # [B, K + 1], 0 at j = 0
-    total = jnp.sum(expected[:, None] + prob[:, None] * geometric, axis=0)  # [K + 1]
+    total = _batch(expected[:, None] + prob[:, None] * geometric, need)  # [K + 1]
     rate = total / jnp.maximum(costs.round_s, 1e-12)
     deeper = (depths > drafted) & (depths <= k_max)
-    now = jnp.sum(expected) / jnp.maximum(costs.round_s[jnp.minimum(drafted, depths[-1])], 1e-12)
+    now = _batch(expected, need) / jnp.maximum(
+        costs.round_s[jnp.minimum(drafted, depths[-1])], 1e-12
+    )
     return jnp.max(jnp.where(deeper, rate, -jnp.inf)), now
 
 
-def draft_any(params: PolicyParams, state: PolicyState, features: DrafterFeatures) -> jax.Array:
+def draft_any(
+    params: PolicyParams,
+    state: PolicyState,
+    features: DrafterFeatures,
+    need: jax.Array | None = None,
+) -> jax.Array:
     """Whether the batch drafts at all this round (``[]`` bool), decided after the drafter's
     first distribution: ``goodput`` may draft nothing (a plain verification of the root),
     except in a round that measures (a row's first, or the one after skipped rounds: it
@@ -610,15 +636,24 @@ def draft_any(params: PolicyParams, state: PolicyState, features: DrafterFeature
     Args:
       params, state: the policy and its per-row state.
       features: ``[B]`` features of the drafter's distribution of the first token.
+      need: ``[B]`` tokens each row still has to write (0: done); ``None``: weigh the
+        batch's total tokens per second instead of its finishing time (:func:`_batch`).
     """
     a = _token_estimate(params, state, features)
     one = jnp.ones_like(a)
-    deeper, now = _best_deeper(params.costs, one, one, a, jnp.asarray(0, jnp.int32), params.k_max)
+    start = jnp.asarray(0, jnp.int32)
+    deeper, now = _best_deeper(params.costs, one, one, a, start, params.k_max, need)
     measures = jnp.any(state.skipped > 0)
     return (params.kind != _KINDS.index("goodput")) | (deeper > now) | measures
 
 
-def should_skip(params: PolicyParams, state: PolicyState, active: jax.Array, max_skip: int):
+def should_skip(
+    params: PolicyParams,
+    state: PolicyState,
+    active: jax.Array,
+    max_skip: int,
+    need: jax.Array | None = None,
+):
     """Whether the batch skips the drafter this round: a plain target step (``[]`` bool).
 
     Only ``goodput``, and only when a plain step's rate (``active`` rows per
@@ -636,23 +671,28 @@ def should_skip(params: PolicyParams, state: PolicyState, active: jax.Array, max
       params, state: the policy and its per-row state.
       active: ``[B]`` bool rows still decoding.
       max_skip: static, ``DecodeConfig.max_skip``.
+      need: ``[B]`` tokens each row still has to write (0 for rows not ``active``);
+        ``None``: weigh the batch's total tokens per second (:func:`_batch`).
     """
     if max_skip == 0:
         return jnp.asarray(False)
     w = active.astype(jnp.float32)
     start = jnp.asarray(0, jnp.int32)
-    best, _ = _best_deeper(params.costs, w, w, jnp.full_like(w, 0.999), start, params.k_max)
-    plain = jnp.sum(w) / jnp.maximum(params.costs.skip_s, 1e-12)
+    full = jnp.full_like(w, 0.999)
+    best, _ = _best_deeper(params.costs, w, w, full, start, params.k_max, need)
+    plain = _batch(w, need) / jnp.maximum(params.costs.skip_s, 1e-12)
     hopeless = plain >= best
     gave_up = (params.patience > 0) & jnp.all(state.losses >= params.patience)
     stale = jnp.any((state.skipped > max_skip) & (state.skipped != UNMEASURED))
     goodput = params.kind == _KINDS.index("goodput")
-    drafting = measured_rate(params, state, active)
+    drafting = measured_rate(params, state, active, need)
     chooses = (plain >= drafting) & (jnp.all(state.skipped < max_skip) | hopeless | gave_up)
     return goodput & (chooses | stale) & jnp.any(active)
 
 
-def measured_rate(params: PolicyParams, state: PolicyState, active: jax.Array) -> jax.Array:
+def measured_rate(
+    params: PolicyParams, state: PolicyState, active: jax.Array, need: jax.Array | None = None
+) -> jax.Array:
     """The batch's rate of drafting, in tokens per second (``[]`` float32), that the skip
     decision of ``goodput`` weighs against a plain step: ``sum_b emitted_b / spent_b`` over
     the ``active`` rows (``[B]`` bool), what its drafting rounds emitted over their cost
@@ -662,17 +702,25 @@ def measured_rate(params: PolicyParams, state: PolicyState, active: jax.Array) -
     the policy skips only when drafting is measured slower). Before a row has drafted, the
     model's prediction stands in: the best rate of drafting ``1..k_max`` tokens at each
     row's acceptance rate per token. Derivation: ``docs/goodput.md``, "The skip decision".
+
+    With ``need`` (``[B]`` tokens each row still has to write) the figure is the batch's
+    finishing rate instead (:func:`_batch`): each row's own rate, raised by ``spread /
+    sqrt(n_b)`` for its ``n_b`` measured rounds, over its remaining work; the least of them.
     """
     w = active.astype(jnp.float32)
     start = jnp.asarray(0, jnp.int32)
-    predicted, _ = _best_deeper(params.costs, w, w, _rate(state), start, params.k_max)
+    predicted, _ = _best_deeper(params.costs, w, w, _rate(state), start, params.k_max, need)
     spent = state.rounds @ params.costs.round_s  # [B] seconds, at today's costs
     measured = jnp.sum(state.rounds, axis=-1)  # [B]
-    rate = jnp.sum(w * state.emitted / jnp.maximum(spent, 1e-12))
-    n = jnp.sum(w * measured)
+    rates = state.emitted / jnp.maximum(spent, 1e-12)  # [B] each row's tokens per second
     # No floor at one row-round: a prior from earlier decodes may weigh less (it halves
     # with each decode), and its bound must keep rising until a decode measures again.
-    bound = rate * (1.0 + params.spread / jnp.sqrt(jnp.maximum(n, 1e-6)))
+    if need is None:
+        n = jnp.sum(w * measured)
+        bound = jnp.sum(w * rates) * (1.0 + params.spread / jnp.sqrt(jnp.maximum(n, 1e-6)))
+    else:
+        raised = rates * (1.0 + params.spread / jnp.sqrt(jnp.maximum(measured, 1e-6)))
+        bound = _batch(jnp.where(active, raised, 0.0), jnp.where(active, need, 0.0))
     known = jnp.all(~active | (measured > 0)) & jnp.any(active)
     return jnp.where(known, bound, predicted)
 
@@ -717,6 +765,7 @@ def should_continue(
     drafted: jax.Array,
     survival: Survival,
     alive: jax.Array | None = None,
+    need: jax.Array | None = None,
 ) -> tuple[jax.Array, Survival]:
     """Whether each row drafts one more token.
 
@@ -729,6 +778,8 @@ def should_continue(
       survival: the round's running :class:`Survival` (``Survival.start`` at round start).
       alive: ``[B]`` bool rows whose draft still has a token at this depth (``None``: all);
         the others add nothing to ``goodput``'s expected tokens.
+      need: ``[B]`` tokens each row still has to write (0: done); ``None``: ``goodput``
+        weighs the batch's total tokens per second instead of its finishing time.
 
     Returns:
       ``(continue, survival)``: ``[B]`` bool, ``False`` once ``drafted >= k_max``, and the
@@ -741,7 +792,9 @@ def should_continue(
     if alive is not None:
         prob = jnp.where(alive, prob, 0.0)
     survival = Survival(prob=prob, expected=survival.expected + prob)
-    deeper, now = _best_deeper(params.costs, survival.expected, prob, a, drafted[0], params.k_max)
+    deeper, now = _best_deeper(
+        params.costs, survival.expected, prob, a, drafted[0], params.k_max, need
+    )
     decisions = jnp.stack(
         [
             drafted < params.k,

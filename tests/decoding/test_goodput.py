@@ -23,20 +23,30 @@ CHEAP = PassCosts(rows=3, target_s={1: 1.0, 8: 1.05}, drafter_s=0.01)
 DEAR = PassCosts(rows=3, target_s={1: 1.0, 2: 3.0, 8: 20.0}, drafter_s=0.5)
 
 
-def _brute_force(round_s, expected, prob, a, drafted, k_max):
-    """Best rate of a deeper draft and of stopping, by enumeration (float64)."""
+def _brute_force(round_s, expected, prob, a, drafted, k_max, need=None):
+    """Best rate of a deeper draft and of stopping, by enumeration (float64): the batch's
+    total tokens per second, or with ``need`` the least share of its remaining work a row
+    still decoding gets through per second."""
+
+    def batch(tokens):
+        if need is None:
+            return sum(tokens)
+        shares = [t / n for t, n in zip(tokens, need, strict=True) if n > 0]
+        return min(shares) if shares else 0.0
+
     best = -np.inf
     for d in range(drafted + 1, min(k_max, len(round_s) - 1) + 1):
-        total = sum(
+        tokens = [
             e + p * sum(x**j for j in range(1, d - drafted + 1))
             for e, p, x in zip(expected, prob, a, strict=True)
-        )
-        best = max(best, total / round_s[d])
-    return best, sum(expected) / round_s[drafted]
+        ]
+        best = max(best, batch(tokens) / round_s[d])
+    return best, batch(expected) / round_s[drafted]
 
 
+@pytest.mark.parametrize("finish", [False, True])
 @pytest.mark.parametrize("seed", range(6))
-def test_lookahead_equals_a_brute_force_search(seed):
+def test_lookahead_equals_a_brute_force_search(seed, finish):
     rng = np.random.default_rng(seed)
     k = int(rng.integers(2, 9))
     round_s = np.cumsum(rng.uniform(0.1, 2.0, size=k + 1))  # costs grow with depth
@@ -44,13 +54,66 @@ def test_lookahead_equals_a_brute_force_search(seed):
     prob = rng.uniform(0, 1, size=4)
     a = rng.uniform(0, 0.99, size=4)
     drafted, k_max = int(rng.integers(0, k)), int(rng.integers(1, k + 2))
+    need = rng.integers(0, 40, size=4).astype(np.float64) if finish else None  # 0: done
     costs = P.RoundCosts(round_s=jnp.asarray(round_s, jnp.float32), skip_s=jnp.asarray(1.0))
     got = P._best_deeper(
         costs, jnp.asarray(expected, jnp.float32), jnp.asarray(prob, jnp.float32),
         jnp.asarray(a, jnp.float32), jnp.asarray(drafted), jnp.asarray(k_max),
+        None if need is None else jnp.asarray(need, jnp.float32),
     )  # fmt: skip
-    want = _brute_force(round_s, expected, prob, a, drafted, k_max)
+    want = _brute_force(round_s, expected, prob, a, drafted, k_max, need)
     np.testing.assert_allclose([float(x) for x in got], want, rtol=1e-5)
+
+
+# The batch-4 costs measured on 2 cores (1.5B target, 0.5B drafter; docs/benchmarks.md).
+BATCH4 = PassCosts(
+    rows=4, target_s={1: 0.433, 2: 0.512, 3: 0.639, 5: 0.655, 9: 0.914}, drafter_s=0.148
+)
+
+
+def test_a_batch_drafts_for_the_row_that_finishes_last():
+    """A batch ends with its last row. Three rows that accept almost everything and one
+    that accepts little: the batch's total tokens per second says draft deep, but every
+    such round costs the slow row about three plain steps for under two tokens, so the
+    finishing-time objective drafts nothing deeper; rows that are done, or far ahead (less
+    left to write), do not hold the batch back."""
+    config = decoding.DecodeConfig(verification="greedy", max_draft=6, max_skip=2)
+    params = _params(BATCH4, config)
+    costs = params.costs
+    one = jnp.ones((4,))
+    a = jnp.asarray([0.95, 0.95, 0.1, 0.95])
+    start = jnp.asarray(0, jnp.int32)
+    total = P._best_deeper(costs, one, one, a, start, params.k_max)
+    assert total[0] > total[1]  # by the total, drafting beats a root-only round
+    equal = jnp.full((4,), 48.0)
+    finish = P._best_deeper(costs, one, one, a, start, params.k_max, equal)
+    assert finish[0] < finish[1]  # the slow row decides: no deeper draft pays
+    # The slow row done, or with 10 tokens left against the others' 48: drafting pays again.
+    for need in ([48.0, 48.0, 0.0, 48.0], [48.0, 48.0, 10.0, 48.0]):
+        ahead = P._best_deeper(costs, one, one, a, start, params.k_max, jnp.asarray(need))
+        assert ahead[0] > ahead[1]
+    # The skip decision weighs each row's measured rate over its remaining work: three rows
+    # at 4 tokens a depth-4 round and one at 1.2 lose to plain steps, though the total wins.
+    rounds = np.zeros((4, costs.round_s.shape[0]), np.float32)
+    rounds[:, 4] = 3.0
+    state = P.init_policy_state(params, 4).replace(
+        emitted=jnp.asarray([12.0, 12.0, 3.6, 12.0]), rounds=jnp.asarray(rounds),
+        skipped=jnp.zeros((4,), jnp.int32),
+    )  # fmt: skip
+    active = jnp.ones((4,), bool)
+    t4, step = float(costs.round_s[4]), float(costs.skip_s)
+    assert 39.6 / (3 * t4) > 4 / step and 1.2 / t4 * (1 + 0.5 / np.sqrt(3)) < 1 / step
+    assert not P.should_skip(params, state, active, 2)
+    assert P.should_skip(params, state, active, 2, equal)
+    np.testing.assert_allclose(
+        P.measured_rate(params, state, active, equal),
+        3.6 / (3 * t4) * (1 + 0.5 / np.sqrt(3)) / 48,
+        rtol=1e-5,
+    )
+    # With the slow row done, the other three decide.
+    done = jnp.asarray([True, True, False, True])
+    need = jnp.asarray([48.0, 48.0, 0.0, 48.0])
+    assert not P.should_skip(params, state, done, 2, need)
 
 
 def _params(costs, config, **kw):
