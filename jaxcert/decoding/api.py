@@ -294,11 +294,16 @@ def _plain_steps(plain, t_params, state, config: DecodeConfig, chunks: list, los
     rows = int(np.sum(steps > 0))  # rows still decoding: those the last measurement weighed
     weighed = rows if losing else 0
     state = state.replace(policy=policies_lib.skipped_round(state.policy, ran, weighed))
-    active = np.arange(config.skips)[:, None] < steps[None, :]  # [S, B]
-    rounds, batch = active.shape
-    empty = jax.device_get(stats_lib.empty_round_stats(rounds, batch, config.num_nodes))
-    chunks.append(empty.replace(active=active, emitted=active.astype(np.int32)))
+    chunks.append(_plain_round_stats(steps, config.skips, config.num_nodes))
     return state, ran
+
+
+def _plain_round_stats(steps: np.ndarray, rounds: int, nodes: int) -> RoundStats:
+    """Host statistics ``[rounds, B]`` of plain target steps, ``steps[b]`` in row ``b``:
+    each a round that drafted nothing and emitted one token."""
+    active = np.arange(rounds)[:, None] < steps[None, :]  # [rounds, B]
+    empty = jax.device_get(stats_lib.empty_round_stats(rounds, active.shape[1], nodes))
+    return empty.replace(active=active, emitted=active.astype(np.int32))
 
 
 def _never_drafts(params: policies_lib.PolicyParams, config: DecodeConfig, batch: int) -> bool:
@@ -329,19 +334,12 @@ def _without_drafter(
         progress=progress, mesh=mesh, on_compile=on_compile, programs=programs,
     )  # fmt: skip
     steps = np.asarray(out.rounds)  # [B] steps per row
-    active = np.arange(int(steps.max(initial=0)))[:, None] < steps[None, :]  # [R, B]
-    rounds, batch = active.shape
-    stats = jax.device_get(stats_lib.empty_round_stats(rounds, batch, static.num_nodes))
-    stats = stats.replace(active=active, emitted=active.astype(np.int32))
+    stats = _plain_round_stats(steps, int(steps.max(initial=0)), static.num_nodes)
     if calibrated is not None:
-        # The overheads stay as they were: target-only steps are not the speculative
-        # decoder's plain steps (other calls, another state), so they teach it nothing.
-        learnt = (costs.round_overhead_s, costs.step_overhead_s)
-        tracker = costs_lib.CostTracker(
-            costs.round_costs(static, overhead=False), prior=learnt if any(learnt) else None
-        )
+        # No tracker: the overheads stay as they were, since target-only steps are not the
+        # speculative decoder's plain steps (other calls, another state).
         depths = policy_params.costs.round_s.shape[0]
-        costs_lib.remember(calibrated, tracker, (mode, 0.0, np.zeros(depths)))
+        costs_lib.remember(calibrated, None, (mode, 0.0, np.zeros(depths)))
     weighed = jax.device_get(policy_params.costs)
     return dataclasses.replace(out, stats=stats, round_costs=weighed)
 
@@ -449,11 +447,15 @@ def speculative_decode(
     past = costs.drafting.get(mode) if goodput and costs is not None else None
     if past is not None and len(past.rounds) != round_costs.round_s.shape[0]:
         past = None  # kept for another draft depth: not this decode's evidence
+    # Per row, the prior each row starts with (zeros: none), kept on the host in the
+    # decoder's float32 to subtract exactly from what the decode counted when it ends.
+    past_row = (np.float32(0.0), np.zeros(round_costs.round_s.shape, np.float32))
     if past is not None:
         # What earlier decodes' drafting produced: the first round's skip decision weighs
         # it (docs/goodput.md, "What earlier decodes measured").
-        policy_params = policy_params.with_past(*past.per_row(int(prompt.shape[0])))
-    past_row = jax.device_get((policy_params.past_emitted, policy_params.past_rounds))
+        emitted, rounds = past.per_row(int(prompt.shape[0]))
+        past_row = (np.float32(emitted), rounds.astype(np.float32))
+        policy_params = policy_params.with_past(*past_row)
     if isinstance(config.tree, loop.tree_lib.Chain) and policy.k_max > config.max_draft:
         policy_params = policy_params.replace(k_max=jnp.asarray(config.max_draft, jnp.int32))
     policy_params, key, settings = _replicated((policy_params, key, settings), placement)

@@ -463,11 +463,12 @@ def _write(path: pathlib.Path, costs: PassCosts) -> None:
 
 def remember(
     path: str | os.PathLike,
-    tracker: CostTracker,
+    tracker: CostTracker | None,
     drafted: tuple[str, float, np.ndarray] | None = None,
 ) -> PassCosts | None:
     """Keeps what a decode learnt in the calibration file at ``path``, so the next run
-    starts from it: the overheads ``tracker`` learnt, and ``drafted``, ``(mode, emitted,
+    starts from it: the overheads ``tracker`` learnt (``None``: the file's stay as they
+    are), and ``drafted``, ``(mode, emitted,
     rounds)``: what the decode's drafting rounds emitted in how many row-rounds by depth
     (``[K + 1]``; zeros if it never drafted), folded into that mode's
     :class:`PastDrafting` (:meth:`PastDrafting.then`). Returns the updated costs
@@ -485,12 +486,13 @@ def remember(
         if past is None or len(past.rounds) != rounds.shape[0]:
             past = PastDrafting(0.0, (0.0,) * rounds.shape[0])
         drafting[mode] = past.then(emitted, rounds, rows=costs.rows)
-    costs = dataclasses.replace(
-        costs,
-        round_overhead_s=tracker.overhead_s("round"),
-        step_overhead_s=tracker.overhead_s("step"),
-        drafting=drafting,
-    )
+    if tracker is not None:
+        costs = dataclasses.replace(
+            costs,
+            round_overhead_s=tracker.overhead_s("round"),
+            step_overhead_s=tracker.overhead_s("step"),
+        )
+    costs = dataclasses.replace(costs, drafting=drafting)
     _write(path, costs)
     return costs
 
