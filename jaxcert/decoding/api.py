@@ -317,7 +317,10 @@ def _never_drafts(params: policies_lib.PolicyParams, config: DecodeConfig, batch
     state = policies_lib.init_policy_state(params, batch)
     active = jnp.ones((batch,), bool)  # every row, padding rows included, starts active
     need = jnp.ones((batch,), jnp.float32)  # equal budgets: only their ratios matter
-    return bool(policies_lib.should_skip(params, state, active, config.skips, need))
+    skip = policies_lib.should_skip(
+        params, state, active, config.skips, need, config.proposes_tokens
+    )
+    return bool(skip)
 
 
 def _without_drafter(

@@ -193,6 +193,7 @@ def draft(
     context: jax.Array | None = None,
     base_width: int | None = None,
     need: jax.Array | None = None,
+    proposes: bool = False,
 ) -> tuple[DraftTree, Cache]:
     """Drafts one tree (or chain) per row.
 
@@ -214,6 +215,8 @@ def draft(
       need: ``[B]`` float32 tokens each row still has to write (0: done): ``goodput`` then
         weighs the batch's finishing time (``docs/goodput.md``); ``None``: its total
         tokens per second.
+      proposes: static, the drafter proposes tokens (``DecodeConfig.proposes_tokens``):
+        the policy reads each proposal's match length from its logits.
 
     Returns:
       ``(tree, cache)``: the :class:`DraftTree` and the drafter cache (garbage past ``n``).
@@ -230,7 +233,7 @@ def draft(
     f_ctx = None if context is None else jnp.broadcast_to(h_root[:, None], (b, m, h_root.shape[-1]))
     key, sub = jax.random.split(key)
     tok, logq, valid = _first_children(sub, q_root, m, sampling, temperature, top_p)
-    feats = policies_lib.drafter_features(q_root)
+    feats = policies_lib.drafter_features(q_root, proposes)
     valid = valid & policies_lib.draft_any(policy, policy_state, feats, need)  # goodput may not
     q_buf, nodes = _init_nodes(q_root, tok, logq, valid, shape, max_depth)
     one = jnp.ones((b,), jnp.int32)
@@ -270,7 +273,7 @@ def draft(
             f_ctx = (
                 jnp.take_along_axis(hidden, parent_slot[..., None], axis=1) if dynamic else hidden
             )
-        feats = policies_lib.drafter_features(q[rows, best])
+        feats = policies_lib.drafter_features(q[rows, best], proposes)
         more, survival = policies_lib.should_continue(
             policy, policy_state, feats, one * (depth + 1), survival, jnp.any(frontier[2], -1),
             need,

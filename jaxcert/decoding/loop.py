@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from jaxcert.decoding import ngram as ngram_lib
 from jaxcert.decoding import node_stats as stats_lib
 from jaxcert.decoding import policies as policies_lib
 from jaxcert.decoding import tree as tree_lib
@@ -303,7 +304,9 @@ def hands_off(config: DecodeConfig) -> bool:
 def _skip_next(policy, state: DecodeState, config) -> jax.Array:
     """``[]`` bool: the next round would skip the drafter (``goodput``)."""
     assert state.policy is not None
-    return policies_lib.should_skip(policy, state.policy, ~state.done, config.skips, _need(state))
+    return policies_lib.should_skip(
+        policy, state.policy, ~state.done, config.skips, _need(state), config.proposes_tokens
+    )
 
 
 def _need(state: DecodeState) -> jax.Array:
@@ -390,6 +393,7 @@ def _speculative_round(
         temperature=settings.temperature,
         top_p=settings.top_p,
         context=state.drafter_context,
+        proposes=config.proposes_tokens,
     )
     used = tree.valid & active[:, None]
     n_eff = jnp.max(jnp.where(used, jnp.arange(1, tree.num_nodes + 1), 0))
@@ -452,9 +456,14 @@ def _commit(state, config, policy, key, tree, d_cache, verified, skipped=False):
             path_states = jnp.pad(path_states, ((0, 0), (0, pad), (0, 0)))
             context = jnp.where(active[:, None, None], path_states, context)
         tested = ns.valid & ns.reached & (ns.rank == 0)  # first choices the target tested
+        match = None
+        if config.proposes_tokens:  # each proposal's logit is its match length
+            q_parent = tree.q_logits[jnp.arange(b)[:, None], tree.q_index]  # [B, N, V]
+            matched = jnp.where(tree.valid, ngram_lib.match_length(q_parent), 0)  # [B, N]
+            match = policies_lib.match_counts(matched, tested, ns.accepted)
         policy_state = policies_lib.update_policy_state(
             policy, state.policy, drafted=depth, accepted=accepted, active=active,
-            predicted=policies_lib.tested_estimate(policy, ns.q_cert, tested),
+            predicted=policies_lib.tested_estimate(policy, ns.q_cert, tested), match=match,
         )  # fmt: skip
     new_state = state.replace(
         tokens=tokens,

@@ -8,8 +8,11 @@ proposes nothing. This is prompt lookup as Hugging Face (``prompt_lookup_num_tok
 shape and rule of the decoder drives it: a drafted token extends the match, so a chain copies
 the continuation of the matched text token by token.
 
-Its ``q`` is one-hot: logit 0 at the proposed token and ``-inf`` elsewhere (every logit
-``-inf`` when there is no match). The decoder treats such a drafter as proposing tokens, not
+Its ``q`` is one-hot: a finite logit at the proposed token and ``-inf`` elsewhere (every
+logit ``-inf`` when there is no match). The finite logit is the match's length in tokens
+(``1..n``): any finite value gives the same one-hot ``q``, and the value tells the decoder's
+``goodput`` policy how long the match was, its estimate of the proposal's acceptance
+(``docs/goodput.md``, "Prompt lookup: a drafter that costs nothing"). The decoder treats such a drafter as proposing tokens, not
 distributions (:attr:`NgramDrafter.proposes_tokens`): a node without a proposal is not
 drafted (a row with none at all verifies nothing: a plain target step), greedy rules accept
 the proposal when the target agrees, and speculative sampling accepts it with probability
@@ -36,7 +39,15 @@ from jax.typing import ArrayLike
 
 from jaxcert.base.validate import check_int
 
-__all__ = ["NgramDrafter", "TokenCache", "NgramConfig", "parse_ngram", "lookup_reference"]
+__all__ = [
+    "NgramDrafter",
+    "TokenCache",
+    "NgramConfig",
+    "match_length",
+    "parse_ngram",
+    "lookup_reference",
+    "match_reference",
+]
 
 _EMPTY = -1  # a slot no token has been written to
 _BEFORE = -2  # the "token" before position 0 (never equal to a slot)
@@ -120,11 +131,12 @@ class NgramConfig:
 
 
 def _lookup(history: jax.Array, end: jax.Array, n: int, min_n: int) -> jax.Array:
-    """The proposal after position ``end`` of one row: ``[S]`` tokens, ``[]`` int -> ``[]``.
+    """The proposal after position ``end`` of one row and its match length: ``[S]`` tokens,
+    ``[]`` int -> ``[2]`` int32.
 
     The match of length ``k`` ending at slot ``e < end`` means ``history[e - j] ==
     history[end - j]`` for ``j < k``; the longest (capped at ``n``), then the latest, wins,
-    and the proposal is ``history[e + 1]``. ``-1`` when no match reaches ``min_n``.
+    and the proposal is ``history[e + 1]``. ``(-1, 0)`` when no match reaches ``min_n``.
     """
     s = history.shape[0]
     slots = jnp.arange(s, dtype=jnp.int32)
@@ -140,7 +152,9 @@ def _lookup(history: jax.Array, end: jax.Array, n: int, min_n: int) -> jax.Array
     ok = (slots < end) & (length >= min_n)
     score = jnp.where(ok, length * s + slots, -1)
     best = jnp.argmax(score)
-    return jnp.where(score[best] >= 0, history[jnp.minimum(best + 1, s - 1)], -1)
+    found = score[best] >= 0
+    proposal = jnp.where(found, history[jnp.minimum(best + 1, s - 1)], -1)
+    return jnp.stack([proposal, jnp.where(found, length[best], 0)])
 
 
 class NgramDrafter(nnx.Module):
@@ -184,7 +198,8 @@ class NgramDrafter(nnx.Module):
         self, tokens: jax.Array, cache: TokenCache, **kwargs
     ) -> tuple[jax.Array, TokenCache]:
         """Writes ``[B, T]`` tokens at the next slots (a chain: the decoder's drafter calls
-        are) and returns each position's proposal, ``[B, T, 1]`` int32 (``-1``: none)."""
+        are) and returns each position's proposal and its match length in tokens, ``[B, T,
+        2]`` int32 (``(-1, 0)``: none)."""
         if kwargs.get("attention_mask") is not None:
             raise ValueError("NgramDrafter reads chains only (no attention_mask)")
         b, t = tokens.shape
@@ -192,12 +207,13 @@ class NgramDrafter(nnx.Module):
         slots = cache.length[:, None] + jnp.arange(t, dtype=jnp.int32)
         history = cache.tokens.at[rows, slots].set(tokens.astype(jnp.int32), mode="drop")
         look = jax.vmap(jax.vmap(_lookup, (None, 0, None, None)), (0, 0, None, None))
-        proposal = look(history, slots, self.n, self.min_n)  # [B, T]
-        return proposal[..., None], cache.replace(tokens=history)
+        return look(history, slots, self.n, self.min_n), cache.replace(tokens=history)
 
     def project(self, hidden: jax.Array) -> jax.Array:
-        """``[..., 1]`` proposals -> ``[..., V]`` float32 one-hot logits (0 at the proposal,
-        ``-inf`` elsewhere; all ``-inf`` for ``-1``).
+        """``[..., 2]`` proposals and match lengths -> ``[..., V]`` float32 one-hot logits:
+        the match length at the proposal, ``-inf`` elsewhere; all ``-inf`` for ``-1``
+        (``softmax`` is one-hot whatever the finite value; :func:`match_length` reads it
+        back).
 
         Raises:
           ValueError: the drafter has no vocabulary size yet.
@@ -205,13 +221,23 @@ class NgramDrafter(nnx.Module):
         if self.config is None:
             raise ValueError("NgramDrafter has no vocabulary size: use for_vocabulary(V)")
         ids = jnp.arange(self.config.vocab_size, dtype=jnp.int32)
-        return jnp.where(ids == hidden.astype(jnp.int32), 0.0, -jnp.inf).astype(jnp.float32)
+        hidden = hidden.astype(jnp.int32)
+        length = hidden[..., 1:].astype(jnp.float32)
+        return jnp.where(ids == hidden[..., :1], length, -jnp.inf).astype(jnp.float32)
 
     def __call__(
         self, tokens: jax.Array, cache: TokenCache, **kwargs
     ) -> tuple[jax.Array, TokenCache]:
         hidden, cache = self.features(tokens, cache, **kwargs)
         return self.project(hidden), cache
+
+
+def match_length(q_logits: jax.Array) -> jax.Array:
+    """The match length a proposing drafter's logits carry: ``[..., V]`` -> ``[...]`` int32,
+    the finite logit of a one-hot ``q`` (:meth:`NgramDrafter.project`), 0 where nothing is
+    proposed (every logit ``-inf``)."""
+    top = jnp.max(q_logits, axis=-1)
+    return jnp.where(jnp.isfinite(top), jnp.round(top), 0.0).astype(jnp.int32)
 
 
 def parse_ngram(spec: str) -> NgramDrafter | None:
@@ -240,10 +266,15 @@ def lookup_reference(sequence: list[int], n: int, min_n: int = 1) -> int:
     Returns the token after the latest earlier occurrence of the longest suffix of length
     ``min_n..n`` (excluding the suffix itself), or ``-1``.
     """
+    return match_reference(sequence, n, min_n)[0]
+
+
+def match_reference(sequence: list[int], n: int, min_n: int = 1) -> tuple[int, int]:
+    """:func:`lookup_reference` and the match's length in tokens: ``(-1, 0)`` for none."""
     end = len(sequence) - 1
     for k in range(min(n, len(sequence)), min_n - 1, -1):
         suffix = sequence[end - k + 1 :]
         for e in range(end - 1, k - 2, -1):
             if sequence[e - k + 1 : e + 1] == suffix:
-                return sequence[e + 1]
-    return -1
+                return sequence[e + 1], k
+    return -1, 0

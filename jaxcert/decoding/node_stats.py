@@ -78,7 +78,9 @@ def node_stats(
     nan = jnp.full(parent.shape, jnp.nan, jnp.float32)
     if one_hot:
         kl = nan
-        feats = policies_lib.DrafterFeatures(top=nan, entropy=nan, cert=nan)
+        feats = policies_lib.DrafterFeatures(
+            top=nan, entropy=nan, cert=nan, match=jnp.zeros(parent.shape, jnp.int32)
+        )
     else:
         kl = kl_divergence(drafter_logits=q_par, target_logits=p_par)  # KL(p || q)
         feats = policies_lib.drafter_features(q_par)

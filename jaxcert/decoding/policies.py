@@ -67,9 +67,18 @@ __all__ = [
     "init_policy_state",
     "update_policy_state",
     "tested_estimate",
+    "match_counts",
+    "free_to_consult",
+    "MATCH_CLASSES",
 ]
 
 DEFAULT_K_MAX = 40
+# Classes of a proposing drafter's match length that ``goodput`` keeps acceptance counts for:
+# 1, 2, ..., MATCH_CLASSES - 1 tokens, and MATCH_CLASSES or more.
+MATCH_CLASSES = 8
+# A proposing drafter is consulted every round when a round that drafts nothing costs at
+# most this much more than a plain step (``docs/goodput.md``, "Prompt lookup").
+FREE_MARGIN = 0.05
 _KINDS = ("constant", "heuristic", "confidence", "svip", "cert", "goodput")
 
 
@@ -529,15 +538,21 @@ class DrafterFeatures:
       top: ``max q``.
       entropy: ``H(q)`` in nats.
       cert: ``C_q``, the strict-greedy certificate of ``q`` (nats, ``< log 2``).
+      match: int32 for a proposing drafter, the length of the match that proposed the token
+        (``ngram.match_length``; 0: no proposal); 0 for a drafter with distributions.
     """
 
     top: jax.Array
     entropy: jax.Array
     cert: jax.Array
+    match: jax.Array
 
 
-def drafter_features(q_logits: jax.Array) -> DrafterFeatures:
+def drafter_features(q_logits: jax.Array, proposes: bool = False) -> DrafterFeatures:
     """Features of ``softmax(q_logits)``: ``[B, V]`` float logits -> ``[B]`` fields.
+
+    ``proposes`` (static): the drafter proposes tokens (a one-hot ``q`` whose finite logit is
+    the match length, :class:`~jaxcert.decoding.ngram.NgramDrafter`); ``match`` reads it.
 
     ``cert`` is the exact strict-greedy certificate of ``docs/certificates.md`` §5, rule 1, in
     closed form from the top two probabilities: ``C_1 = s phi(gamma / s)`` with ``s = q1 + q2`` and
@@ -547,7 +562,12 @@ def drafter_features(q_logits: jax.Array) -> DrafterFeatures:
     st = distribution_stats(q_logits, top=2)
     s = 2.0 * st.top1 - st.margin  # q1 + q2
     cert = s * numerics.binary_kl_uniform(st.margin / s)
-    return DrafterFeatures(top=st.top1, entropy=st.entropy, cert=cert)
+    if proposes:
+        top = jnp.max(q_logits, axis=-1)
+        match = jnp.where(jnp.isfinite(top), jnp.round(top), 0.0).astype(jnp.int32)
+    else:
+        match = jnp.zeros(q_logits.shape[:-1], jnp.int32)
+    return DrafterFeatures(top=st.top1, entropy=st.entropy, cert=cert, match=match)
 
 
 # ``PolicyState.skipped`` of a row that has not drafted yet: ``goodput`` measures before it
@@ -574,6 +594,8 @@ def init_policy_state(params: PolicyParams, batch: int) -> PolicyState:
         losses=jnp.zeros((batch,), jnp.int32),
         emitted=jnp.full((batch,), jnp.where(known, params.past_emitted, 0.0), jnp.float32),
         rounds=jnp.broadcast_to(jnp.where(known, past, 0.0), (batch, depths)),
+        match_accepted=jnp.full((batch, MATCH_CLASSES), params.prior, jnp.float32),
+        match_tested=jnp.ones((batch, MATCH_CLASSES), jnp.float32),
     )
 
 
@@ -653,6 +675,7 @@ def should_skip(
     active: jax.Array,
     max_skip: int,
     need: jax.Array | None = None,
+    proposes: bool = False,
 ):
     """Whether the batch skips the drafter this round: a plain target step (``[]`` bool).
 
@@ -673,6 +696,9 @@ def should_skip(
       max_skip: static, ``DecodeConfig.max_skip``.
       need: ``[B]`` tokens each row still has to write (0 for rows not ``active``);
         ``None``: weigh the batch's total tokens per second (:func:`_batch`).
+      proposes: static, the drafter proposes tokens: where consulting it is free
+        (:func:`free_to_consult`) it is never skipped, since each round decides from its
+        proposal (its match length) whether to draft.
     """
     if max_skip == 0:
         return jnp.asarray(False)
@@ -687,7 +713,8 @@ def should_skip(
     goodput = params.kind == _KINDS.index("goodput")
     drafting = measured_rate(params, state, active, need)
     chooses = (plain >= drafting) & (jnp.all(state.skipped < max_skip) | hopeless | gave_up)
-    return goodput & (chooses | stale) & jnp.any(active)
+    free = free_to_consult(params.costs) if proposes else jnp.asarray(False)
+    return goodput & ~free & (chooses | stale) & jnp.any(active)
 
 
 def measured_rate(
@@ -725,15 +752,26 @@ def measured_rate(
     return jnp.where(known, bound, predicted)
 
 
+def _match_class(length: jax.Array) -> jax.Array:
+    """A match length (``>= 1``, any shape) -> its column of ``PolicyState.match_*``."""
+    return jnp.clip(length, 1, MATCH_CLASSES) - 1
+
+
 def _token_estimate(params: PolicyParams, state: PolicyState, features: DrafterFeatures):
     """``goodput``'s acceptance estimate of a drafted token: ``[B]``, the certificate
-    estimate ``(C_q / log 2) ** beta`` times the row's calibration ``accepted / predicted``
-    (a point-mass ``q``, as prompt lookup drafts, has certificate estimate 1: its rate
-    decides), in ``[0, 0.999]``."""
+    estimate ``(C_q / log 2) ** beta`` times the row's calibration ``accepted / predicted``;
+    for a proposing drafter's token (``features.match > 0``) the row's acceptance rate of
+    proposals from matches of that length instead (``match_accepted / match_tested``, which
+    start at ``prior``); in ``[0, 0.999]``."""
     ratio = _cert_ratio(features.cert)
     ratio = jnp.where(jnp.isnan(ratio), 0.0, ratio)
     calibration = state.accepted / jnp.maximum(state.predicted, 1e-6)
-    return jnp.clip(calibration * ratio ** jnp.maximum(params.beta, 1e-6), 0.0, 0.999)
+    estimate = calibration * ratio ** jnp.maximum(params.beta, 1e-6)
+    column = _match_class(features.match)[:, None]
+    hits = jnp.take_along_axis(state.match_accepted, column, axis=1)[:, 0]
+    tries = jnp.take_along_axis(state.match_tested, column, axis=1)[:, 0]
+    by_match = hits / jnp.maximum(tries, 1e-6)
+    return jnp.clip(jnp.where(features.match > 0, by_match, estimate), 0.0, 0.999)
 
 
 def tested_estimate(params: PolicyParams, q_cert: jax.Array, tested: jax.Array) -> jax.Array:
@@ -816,6 +854,7 @@ def update_policy_state(
     accepted: jax.Array,
     active: jax.Array,
     predicted: jax.Array | None = None,
+    match: tuple[jax.Array, jax.Array] | None = None,
 ) -> PolicyState:
     """The state after a round that drafted (the ``heuristic`` schedule, ``goodput``'s
     acceptance counts, and its measured drafting rate: the round's emitted tokens and its
@@ -831,6 +870,9 @@ def update_policy_state(
       active: ``[B]`` bool rows that took part (others keep their state).
       predicted: ``[B]`` float32 the sum of the tested tokens' certificate estimates
         (:func:`tested_estimate`); ``None``: estimate 1 for each.
+      match: a proposing drafter's ``(accepted, tested)`` ``[B, L]`` float32 tokens of the
+        round by match length (:func:`match_counts`); the counts of each length tested
+        this round are weighed by ``memory`` first. ``None``: unchanged.
     """
     full = accepted >= drafted
     k = jnp.where(full, state.k + 2, jnp.maximum(state.k - 1, 1))
@@ -843,6 +885,12 @@ def update_policy_state(
     depth = jnp.max(jnp.where(active, drafted, 0))  # the batch drafts to its deepest row
     took = active & (depth > 0)  # every row of a drafting round spent its time
     at = jnp.arange(state.rounds.shape[1]) == jnp.minimum(depth, state.rounds.shape[1] - 1)
+    match_accepted, match_tested = state.match_accepted, state.match_tested
+    if match is not None:
+        hits, tries = (jnp.where(active[:, None], x, 0.0) for x in match)
+        fade = jnp.where(tries > 0, params.memory, 1.0)
+        match_accepted = fade * match_accepted + hits
+        match_tested = fade * match_tested + tries
     return PolicyState(
         k=jnp.where(active, jnp.minimum(k, params.k_max), state.k),
         accepted=keep * state.accepted + add(accepted.astype(jnp.float32)),
@@ -852,7 +900,34 @@ def update_policy_state(
         losses=jnp.where(state.skipped == 0, 0, state.losses),
         emitted=state.emitted + jnp.where(took, accepted + 1, 0).astype(jnp.float32),
         rounds=state.rounds + (took[:, None] & at[None, :]).astype(jnp.float32),
+        match_accepted=match_accepted,
+        match_tested=match_tested,
     )
+
+
+def match_counts(length: jax.Array, tested: jax.Array, accepted: jax.Array):
+    """A round's tested and accepted proposals by match length, for
+    :func:`update_policy_state`.
+
+    Args:
+      length: ``[B, N]`` int32 each node's match length (0: not a proposal).
+      tested: ``[B, N]`` bool the nodes the target tested.
+      accepted: ``[B, N]`` bool the nodes on the accepted path.
+
+    Returns:
+      ``(accepted, tested)``: ``[B, L]`` float32 counts per :data:`MATCH_CLASSES` column.
+    """
+    columns = jax.nn.one_hot(_match_class(length), MATCH_CLASSES, dtype=jnp.float32)
+    tried = (tested & (length > 0)).astype(jnp.float32)[..., None]  # [B, N, 1]
+    hit = tried * accepted.astype(jnp.float32)[..., None]
+    return jnp.sum(hit * columns, axis=1), jnp.sum(tried * columns, axis=1)
+
+
+def free_to_consult(costs: RoundCosts) -> jax.Array:
+    """Whether consulting a proposing drafter costs nothing (``[]`` bool): a round that
+    drafts nothing costs at most ``1 + FREE_MARGIN`` plain steps. ``goodput`` then asks it
+    every round and never skips it (``docs/goodput.md``, "Prompt lookup")."""
+    return costs.round_s[0] <= costs.skip_s * (1.0 + FREE_MARGIN)
 
 
 def skipped_round(state: PolicyState, count=1, rows=None) -> PolicyState:

@@ -90,6 +90,12 @@ class PolicyState:
         ``rounds @ RoundCosts.round_s`` is their cost in seconds. ``emitted`` over that
         cost is the row's measured rate of drafting, which ``goodput``'s skip decision
         weighs against a plain step.
+      match_accepted, match_tested: ``[B, L]`` float32 ``goodput``'s running counts of a
+        proposing drafter's accepted and tested tokens by the length of the match that
+        proposed them (column ``l``: ``l + 1`` tokens, the last column that many or more;
+        ``policies.MATCH_CLASSES`` columns); their ratio is its acceptance estimate of a
+        proposal (:class:`~jaxcert.decoding.ngram.NgramDrafter`). Unused for a drafter
+        with distributions.
     """
 
     k: jax.Array  # [B]
@@ -100,6 +106,8 @@ class PolicyState:
     losses: jax.Array  # [B]
     emitted: jax.Array  # [B]
     rounds: jax.Array  # [B, K + 1]
+    match_accepted: jax.Array  # [B, L]
+    match_tested: jax.Array  # [B, L]
 
     if TYPE_CHECKING:  # struct.dataclass adds it at run time, out of mypy's sight
 

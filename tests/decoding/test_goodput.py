@@ -754,7 +754,8 @@ def test_a_prior_from_earlier_decodes_decides_the_first_round():
     fresh = P.init_policy_state(winning, 3)
     assert not P.should_skip(winning, fresh, active, 2)
     bad = P.DrafterFeatures(
-        top=jnp.full((3,), 0.3), entropy=jnp.full((3,), 3.0), cert=jnp.full((3,), 1e-6)
+        top=jnp.full((3,), 0.3), entropy=jnp.full((3,), 3.0), cert=jnp.full((3,), 1e-6),
+        match=jnp.zeros((3,), jnp.int32),
     )
     assert not P.draft_any(winning, fresh, bad)
     assert P.draft_any(params, P.init_policy_state(params, 3), bad)  # no prior: measures
@@ -886,3 +887,124 @@ def _drafting_of(stats, depths):
     rounds = np.bincount(np.broadcast_to(depth[:, None], took.shape)[took], minlength=depths)
     emitted = np.where(took, stats.accepted + 1, 0).sum()  # as the policy counts them
     return float(emitted), rounds.astype(np.float64)
+
+
+# A drafter without a forward pass of its own (prompt lookup): a round that drafts nothing
+# costs a plain step.
+LOOKUP = PassCosts(rows=3, target_s={1: 1.0, 2: 1.2, 8: 2.0}, drafter_s=0.0)
+
+
+def _lookup_params(costs, **kw):
+    config = decoding.DecodeConfig(
+        verification="greedy", max_draft=6, max_skip=2, proposes_tokens=True
+    )
+    return _params(costs, config, **kw)
+
+
+def _proposal(length, v=5):
+    """One-hot drafter logits as prompt lookup writes them: the match length at token 1."""
+    length = np.asarray(length, np.float32)
+    logits = np.full(length.shape + (v,), -np.inf, np.float32)
+    logits[..., 1] = length
+    logits[length == 0] = -np.inf  # no match: no proposal
+    return jnp.asarray(logits)
+
+
+def test_prompt_lookup_is_consulted_every_round_where_that_is_free():
+    """A proposing drafter whose empty round costs what a plain step costs is never
+    skipped, whatever its drafting measured (each round decides from its proposal); where
+    an empty round costs more (an overhead beyond ``FREE_MARGIN``), it is skipped as any
+    drafter is; a drafter with distributions is skipped at the same costs."""
+    active = jnp.ones((3,), bool)
+    free = _lookup_params(LOOKUP, spread=0.0)
+    assert bool(P.free_to_consult(free.costs))
+    depths = free.costs.round_s.shape[0]
+    rounds = np.zeros((3, depths), np.float32)
+    rounds[:, 1] = 2.0
+    lost = P.init_policy_state(free, 3).replace(
+        skipped=jnp.zeros((3,), jnp.int32), emitted=jnp.full((3,), 2.0),
+        rounds=jnp.asarray(rounds),
+    )  # fmt: skip  two depth-1 rounds that emitted one token each: drafting lost
+    assert P.should_skip(free, lost, active, 2)  # as a drafter with distributions
+    assert not P.should_skip(free, lost, active, 2, proposes=True)
+    gave_up = lost.replace(losses=jnp.full((3,), 100), skipped=jnp.ones((3,), jnp.int32))
+    assert not P.should_skip(free, gave_up, active, 2, proposes=True)
+    # An empty round 10% dearer than a plain step: consulting is not free.
+    dear = dataclasses.replace(LOOKUP, round_overhead_s=0.1)
+    params = _lookup_params(dear, spread=0.0)
+    assert not bool(P.free_to_consult(params.costs))
+    assert P.should_skip(params, lost, active, 2, proposes=True)
+    # Within the margin it is.
+    near = _lookup_params(dataclasses.replace(LOOKUP, round_overhead_s=0.9 * P.FREE_MARGIN))
+    assert bool(P.free_to_consult(near.costs))
+
+
+def test_a_proposal_is_estimated_by_its_match_length():
+    """``goodput``'s estimate of a proposal is the row's acceptance rate of proposals from
+    matches of that length (all start at ``prior``): with short matches rejected and long
+    ones accepted, a round drafts on a long match and not on a short one; a drafter with
+    distributions still reads its certificate (``match`` 0)."""
+    params = _lookup_params(LOOKUP)
+    state = P.init_policy_state(params, 3)
+    np.testing.assert_allclose(state.match_accepted, np.full((3, P.MATCH_CLASSES), 0.6))
+    hits = np.zeros((3, P.MATCH_CLASSES), np.float32)
+    tries = np.zeros_like(hits)
+    tries[:, 0], hits[:, 0] = 10.0, 0.5  # matches of 1 token: 0.5 of 10 (+ the prior) accepted
+    tries[:, -1], hits[:, -1] = 10.0, 10.0  # matches of 8 or more: all accepted
+    state = P.update_policy_state(
+        params, state.replace(skipped=jnp.zeros((3,), jnp.int32)),
+        drafted=jnp.zeros((3,), jnp.int32), accepted=jnp.zeros((3,), jnp.int32),
+        active=jnp.ones((3,), bool), match=(jnp.asarray(hits), jnp.asarray(tries)),
+    )  # fmt: skip
+    short, mid, long = 0.8 * 0.6 + 0.5, 0.6, 0.8 * 0.6 + 10.0
+    rates = [short / (0.8 + 10), mid / 1.0, long / (0.8 + 10)]
+    # Lengths 1, 3 and 12 (above the last class: counted in it).
+    feats = P.drafter_features(_proposal([1, 3, 12]), proposes=True)
+    assert feats.match.tolist() == [1, 3, 12]
+    np.testing.assert_allclose(
+        P._token_estimate(params, state, feats), np.minimum(rates, 0.999), rtol=1e-6
+    )
+    for length, drafts in ((1, False), (3, True), (12, True)):
+        feats = P.drafter_features(_proposal([length] * 3), proposes=True)
+        assert bool(P.draft_any(params, state, feats)) == drafts, length
+    # The same logits from a drafter with distributions: no match, the certificate decides.
+    plain = P.drafter_features(_proposal([1, 3, 12]))
+    assert plain.match.tolist() == [0, 0, 0]
+    np.testing.assert_allclose(P._token_estimate(params, state, plain), 0.6, rtol=1e-6)
+
+
+def test_match_counts_and_their_update():
+    """A round's tested and accepted proposals counted by match length (against a plain
+    loop), added to the row's counts after the lengths it tested fade by ``memory``; the
+    other lengths and inactive rows keep theirs."""
+    rng = np.random.default_rng(0)
+    b, n = 4, 9
+    length = rng.integers(0, 12, size=(b, n)).astype(np.int32)
+    tested = rng.random((b, n)) < 0.7
+    accepted = rng.random((b, n)) < 0.5
+    hits, tries = P.match_counts(jnp.asarray(length), jnp.asarray(tested), jnp.asarray(accepted))
+    want_hits = np.zeros((b, P.MATCH_CLASSES))
+    want_tries = np.zeros((b, P.MATCH_CLASSES))
+    for i in range(b):
+        for j in range(n):
+            if tested[i, j] and length[i, j] > 0:
+                c = min(length[i, j], P.MATCH_CLASSES) - 1
+                want_tries[i, c] += 1
+                want_hits[i, c] += accepted[i, j]
+    np.testing.assert_allclose(hits, want_hits)
+    np.testing.assert_allclose(tries, want_tries)
+    params = _lookup_params(LOOKUP, memory=0.5)
+    state = P.init_policy_state(params, b)
+    active = jnp.asarray([True, True, True, False])
+    new = P.update_policy_state(
+        params, state, drafted=jnp.full((b,), 3), accepted=jnp.ones((b,), jnp.int32),
+        active=active, match=(hits, tries),
+    )  # fmt: skip
+    fade = np.where(want_tries > 0, 0.5, 1.0)
+    keep = np.asarray(active)[:, None]
+    np.testing.assert_allclose(
+        new.match_accepted, np.where(keep, fade * 0.6 + want_hits, 0.6), rtol=1e-6
+    )
+    np.testing.assert_allclose(
+        new.match_tested, np.where(keep, fade * 1.0 + want_tries, 1.0), rtol=1e-6
+    )

@@ -1,13 +1,22 @@
 """The n-gram (prompt-lookup) drafter: its lookup against plain Python, exact greedy
 decoding on every draft shape, plain target steps when nothing matches, ``nan`` statistics."""
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from tiny_decoding import CONFIG, MAX_NEW, WIDTH, random_model
 
 from jaxcert import decoding
-from jaxcert.decoding.ngram import NgramDrafter, lookup_reference, parse_ngram
+from jaxcert.decoding.ngram import (
+    NgramDrafter,
+    lookup_reference,
+    match_length,
+    match_reference,
+    parse_ngram,
+)
 
 V = CONFIG.vocab_size
 
@@ -19,7 +28,16 @@ def _proposals(drafter, sequences, split):
     cache = drafter.init_cache(tokens.shape[0], tokens.shape[1] + 4)
     first, cache = drafter.features(tokens[:, :split], cache)
     second, _ = drafter.features(tokens[:, split:], cache.commit(split))
-    return np.concatenate([np.asarray(first[..., 0]), np.asarray(second[..., 0])], axis=1)
+    return np.concatenate([np.asarray(first), np.asarray(second)], axis=1)[..., 0]
+
+
+def _matches(drafter, tokens, split):
+    """Proposals and match lengths ``[B, T, 2]`` read in two calls, as :func:`_proposals`."""
+    tokens = jnp.asarray(tokens, jnp.int32)
+    cache = drafter.init_cache(tokens.shape[0], tokens.shape[1] + 4)
+    first, cache = drafter.features(tokens[:, :split], cache)
+    second, _ = drafter.features(tokens[:, split:], cache.commit(split))
+    return np.concatenate([np.asarray(first), np.asarray(second)], axis=1)
 
 
 @pytest.mark.parametrize("n, min_n", [(1, 1), (3, 1), (3, 2), (5, 1)])
@@ -28,11 +46,13 @@ def test_lookup_equals_the_python_reference(n, min_n):
     rows = [rng.integers(0, 4, size=24) for _ in range(6)]  # 4 symbols: many repeats
     rows += [np.arange(24) % 24, np.full(24, 7), np.tile([1, 2, 3], 8)]  # none, runs, cycles
     drafter = NgramDrafter(n, min_n=min_n, vocab_size=V)
-    got = _proposals(drafter, np.stack(rows), split=9)
-    for row, proposals in zip(rows, got, strict=True):
+    got = _matches(drafter, np.stack(rows), split=9)
+    for row, found in zip(rows, got, strict=True):
         seq = [int(x) for x in row]
-        want = [lookup_reference(seq[: t + 1], n, min_n) for t in range(len(seq))]
-        assert proposals.tolist() == want
+        want = [match_reference(seq[: t + 1], n, min_n) for t in range(len(seq))]
+        assert [tuple(x) for x in found.tolist()] == want
+        proposals = [lookup_reference(seq[: t + 1], n, min_n) for t in range(len(seq))]
+        assert found[:, 0].tolist() == proposals
 
 
 def test_lookup_prefers_the_longest_then_the_latest_match():
@@ -48,10 +68,13 @@ def test_lookup_prefers_the_longest_then_the_latest_match():
 
 def test_project_is_one_hot_and_empty_without_a_match():
     drafter = NgramDrafter(2, vocab_size=V)
-    logits = np.asarray(drafter.project(jnp.asarray([[3], [-1]], jnp.int32)))
+    logits = drafter.project(jnp.asarray([[3, 2], [-1, 0]], jnp.int32))
     assert logits.shape == (2, V)
-    assert logits[0, 3] == 0.0 and np.all(np.isneginf(np.delete(logits[0], 3)))
+    # The proposal's logit is its match length (q is one-hot whatever the finite value).
+    assert logits[0, 3] == 2.0 and np.all(np.isneginf(np.delete(np.asarray(logits[0]), 3)))
     assert np.all(np.isneginf(logits[1]))
+    np.testing.assert_array_equal(jax.nn.softmax(logits[0]), np.eye(V)[3])
+    assert match_length(logits).tolist() == [2, 0]
 
 
 # Prompts that repeat themselves, and one that never does (its rounds draft nothing at first).
@@ -138,4 +161,37 @@ def test_other_spellings_are_not_ngram():
 
 def test_an_unbound_drafter_needs_a_vocabulary():
     with pytest.raises(ValueError, match="vocabulary size"):
-        NgramDrafter(3).project(jnp.zeros((1, 1), jnp.int32))
+        NgramDrafter(3).project(jnp.zeros((1, 2), jnp.int32))
+
+
+def test_goodput_consults_a_free_lookup_whatever_the_past_says(target):
+    """Earlier decodes' drafting says drafting loses, which makes a drafter with a cost of
+    its own run as target-only decoding; prompt lookup, whose empty round costs a plain
+    step, is still consulted every round and drafts where its matches are accepted
+    (exactly, at T = 0). With an overhead that makes consulting it dearer than a plain
+    step, the past decides as for any drafter."""
+    from jaxcert.decoding import loop
+    from jaxcert.decoding.costs import PassCosts, PastDrafting
+
+    want = decoding.target_decode(target, PROMPTS, max_new_tokens=MAX_NEW, prompt_width=WIDTH)
+    config = decoding.DecodeConfig(
+        verification="greedy", max_new_tokens=MAX_NEW, max_draft=6, max_skip=2
+    )
+    drafter = NgramDrafter(3)
+    resolved = decoding.resolved_config(config, target, drafter, decoding.Goodput())
+    free = PassCosts(rows=3, target_s={1: 1.0, 2: 1.2, 8: 2.0}, drafter_s=0.0)
+    rounds = np.zeros(free.round_costs(resolved).round_s.shape[0])
+    rounds[1] = 3.0
+    losing = {"greedy": PastDrafting(3.0, tuple(rounds))}  # one token per row-round
+    for overhead, consulted in ((0.0, True), (0.5, False)):
+        costs = dataclasses.replace(free, drafting=losing, round_overhead_s=overhead)
+        programs = decoding.Programs()
+        out = decoding.speculative_decode(
+            target, drafter, PROMPTS, config=config, policy=decoding.Goodput(), costs=costs,
+            correct_costs=False, prompt_width=WIDTH, programs=programs,
+        )  # fmt: skip
+        for got, ref in zip(out.tokens, want.tokens, strict=True):
+            np.testing.assert_array_equal(got, ref)
+        st = out.stats
+        assert bool(programs.of(loop.prefill)) == consulted
+        assert (st.accepted[st.active].sum() > 0) == consulted
