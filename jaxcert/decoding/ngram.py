@@ -12,10 +12,11 @@ Its ``q`` is one-hot: a finite logit at the proposed token and ``-inf`` elsewher
 logit ``-inf`` when there is no match). The finite logit is the match's length in tokens
 (``1..n``): any finite value gives the same one-hot ``q``, and the value tells the decoder's
 ``goodput`` policy how long the match was, its estimate of the proposal's acceptance
-(``docs/goodput.md``, "Prompt lookup: a drafter that costs nothing"). The decoder treats such a drafter as proposing tokens, not
-distributions (:attr:`NgramDrafter.proposes_tokens`): a node without a proposal is not
-drafted (a row with none at all verifies nothing: a plain target step), greedy rules accept
-the proposal when the target agrees, and speculative sampling accepts it with probability
+(``docs/goodput.md``, "Prompt lookup: a drafter that costs nothing"). The decoder treats
+such a drafter as proposing tokens, not distributions
+(:attr:`NgramDrafter.proposes_tokens`): a node without a proposal is not drafted (a row with
+none at all verifies nothing: a plain target step), greedy rules accept the proposal when
+the target agrees, and speculative sampling accepts it with probability
 ``p(x)`` and resamples from ``norm((p - q)+)`` on rejection, which for a one-hot ``q`` is
 exact. ``KL(p || q)`` is infinite and the certificate comparison ``KL < C_p`` has no meaning
 for such a ``q``: the decoder's per-node ``kl``, ``cert``, ``cert_list`` and drafter

@@ -754,7 +754,9 @@ def test_a_prior_from_earlier_decodes_decides_the_first_round():
     fresh = P.init_policy_state(winning, 3)
     assert not P.should_skip(winning, fresh, active, 2)
     bad = P.DrafterFeatures(
-        top=jnp.full((3,), 0.3), entropy=jnp.full((3,), 3.0), cert=jnp.full((3,), 1e-6),
+        top=jnp.full((3,), 0.3),
+        entropy=jnp.full((3,), 3.0),
+        cert=jnp.full((3,), 1e-6),
         match=jnp.zeros((3,), jnp.int32),
     )
     assert not P.draft_any(winning, fresh, bad)
@@ -922,7 +924,8 @@ def test_prompt_lookup_is_consulted_every_round_where_that_is_free():
     rounds = np.zeros((3, depths), np.float32)
     rounds[:, 1] = 2.0
     lost = P.init_policy_state(free, 3).replace(
-        skipped=jnp.zeros((3,), jnp.int32), emitted=jnp.full((3,), 2.0),
+        skipped=jnp.zeros((3,), jnp.int32),
+        emitted=jnp.full((3,), 2.0),
         rounds=jnp.asarray(rounds),
     )  # fmt: skip  two depth-1 rounds that emitted one token each: drafting lost
     assert P.should_skip(free, lost, active, 2)  # as a drafter with distributions
