@@ -27,7 +27,6 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from jaxcert.decoding import ngram as ngram_lib
 from jaxcert.decoding import node_stats as stats_lib
 from jaxcert.decoding import policies as policies_lib
 from jaxcert.decoding import tree as tree_lib
@@ -458,9 +457,7 @@ def _commit(state, config, policy, key, tree, d_cache, verified, skipped=False):
         tested = ns.valid & ns.reached & (ns.rank == 0)  # first choices the target tested
         match = None
         if config.proposes_tokens:  # each proposal's logit is its match length
-            q_parent = tree.q_logits[jnp.arange(b)[:, None], tree.q_index]  # [B, N, V]
-            matched = jnp.where(tree.valid, ngram_lib.match_length(q_parent), 0)  # [B, N]
-            match = policies_lib.match_counts(matched, tested, ns.accepted)
+            match = policies_lib.tree_match_counts(tree, tested, ns.accepted)
         policy_state = policies_lib.update_policy_state(
             policy, state.policy, drafted=depth, accepted=accepted, active=active,
             predicted=policies_lib.tested_estimate(policy, ns.q_cert, tested), match=match,

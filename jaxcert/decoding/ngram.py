@@ -10,9 +10,10 @@ the continuation of the matched text token by token.
 
 Its ``q`` is one-hot: a finite logit at the proposed token and ``-inf`` elsewhere (every
 logit ``-inf`` when there is no match). The finite logit is the match's length in tokens
-(``1..n``): any finite value gives the same one-hot ``q``, and the value tells the decoder's
-``goodput`` policy how long the match was, its estimate of the proposal's acceptance
-(``docs/goodput.md``, "Prompt lookup: a drafter that costs nothing"). The decoder treats
+(read up to ``max(n, MATCH_REACH)`` tokens): any finite value gives the same one-hot
+``q``, and the value tells the decoder's ``goodput`` policy how long the match was, its
+estimate of the proposal's acceptance (``docs/goodput.md``, "Prompt lookup: a drafter
+that costs nothing"). The decoder treats
 such a drafter as proposing tokens, not distributions
 (:attr:`NgramDrafter.proposes_tokens`): a node without a proposal is not drafted (a row with
 none at all verifies nothing: a plain target step), greedy rules accept the proposal when
@@ -45,11 +46,16 @@ __all__ = [
     "TokenCache",
     "NgramConfig",
     "match_length",
+    "MATCH_REACH",
     "parse_ngram",
     "lookup_reference",
     "match_reference",
 ]
 
+# How far a match's length is measured (tokens), whatever ``n``: the proposal comes from the
+# longest match up to ``n``, and its length, read up to this, tells ``goodput`` how likely
+# the proposal is to be accepted (a copy under way, or a chance match).
+MATCH_REACH = 8
 _EMPTY = -1  # a slot no token has been written to
 _BEFORE = -2  # the "token" before position 0 (never equal to a slot)
 
@@ -137,7 +143,8 @@ def _lookup(history: jax.Array, end: jax.Array, n: int, min_n: int) -> jax.Array
 
     The match of length ``k`` ending at slot ``e < end`` means ``history[e - j] ==
     history[end - j]`` for ``j < k``; the longest (capped at ``n``), then the latest, wins,
-    and the proposal is ``history[e + 1]``. ``(-1, 0)`` when no match reaches ``min_n``.
+    and the proposal is ``history[e + 1]``. Its length is then read up to ``max(n,
+    MATCH_REACH)`` tokens. ``(-1, 0)`` when no match reaches ``min_n``.
     """
     s = history.shape[0]
     slots = jnp.arange(s, dtype=jnp.int32)
@@ -147,11 +154,12 @@ def _lookup(history: jax.Array, end: jax.Array, n: int, min_n: int) -> jax.Array
 
     run = jnp.ones((s,), bool)
     length = jnp.zeros((s,), jnp.int32)
-    for j in range(n):  # static: n is small
+    for j in range(max(n, MATCH_REACH)):  # static: both are small
         run = run & (at(slots - j) == at(end - j)) & (end - j >= 0)
         length = length + run.astype(jnp.int32)
-    ok = (slots < end) & (length >= min_n)
-    score = jnp.where(ok, length * s + slots, -1)
+    capped = jnp.minimum(length, n)
+    ok = (slots < end) & (capped >= min_n)
+    score = jnp.where(ok, capped * s + slots, -1)
     best = jnp.argmax(score)
     found = score[best] >= 0
     proposal = jnp.where(found, history[jnp.minimum(best + 1, s - 1)], -1)
@@ -271,11 +279,19 @@ def lookup_reference(sequence: list[int], n: int, min_n: int = 1) -> int:
 
 
 def match_reference(sequence: list[int], n: int, min_n: int = 1) -> tuple[int, int]:
-    """:func:`lookup_reference` and the match's length in tokens: ``(-1, 0)`` for none."""
+    """:func:`lookup_reference` and the match's length in tokens, read up to ``max(n,
+    MATCH_REACH)``: ``(-1, 0)`` for none."""
     end = len(sequence) - 1
     for k in range(min(n, len(sequence)), min_n - 1, -1):
         suffix = sequence[end - k + 1 :]
         for e in range(end - 1, k - 2, -1):
             if sequence[e - k + 1 : e + 1] == suffix:
-                return sequence[e + 1], k
+                length = k
+                while (
+                    length < max(n, MATCH_REACH)
+                    and e - length >= 0
+                    and sequence[e - length] == sequence[end - length]
+                ):
+                    length += 1
+                return sequence[e + 1], length
     return -1, 0

@@ -44,7 +44,8 @@ from flax import struct
 from jaxcert.base.validate import check_float, check_int, check_probability, in_user_words
 from jaxcert.core import numerics
 from jaxcert.core.stats import distribution_stats
-from jaxcert.decoding.state import PolicyState
+from jaxcert.decoding import ngram as ngram_lib
+from jaxcert.decoding.state import DraftTree, PolicyState
 
 __all__ = [
     "Constant",
@@ -68,6 +69,7 @@ __all__ = [
     "update_policy_state",
     "tested_estimate",
     "match_counts",
+    "tree_match_counts",
     "free_to_consult",
     "MATCH_CLASSES",
 ]
@@ -75,7 +77,7 @@ __all__ = [
 DEFAULT_K_MAX = 40
 # Classes of a proposing drafter's match length that ``goodput`` keeps acceptance counts for:
 # 1, 2, ..., MATCH_CLASSES - 1 tokens, and MATCH_CLASSES or more.
-MATCH_CLASSES = 8
+MATCH_CLASSES = ngram_lib.MATCH_REACH
 # A proposing drafter is consulted every round when a round that drafts nothing costs at
 # most this much more than a plain step (``docs/goodput.md``, "Prompt lookup").
 FREE_MARGIN = 0.05
@@ -563,8 +565,7 @@ def drafter_features(q_logits: jax.Array, proposes: bool = False) -> DrafterFeat
     s = 2.0 * st.top1 - st.margin  # q1 + q2
     cert = s * numerics.binary_kl_uniform(st.margin / s)
     if proposes:
-        top = jnp.max(q_logits, axis=-1)
-        match = jnp.where(jnp.isfinite(top), jnp.round(top), 0.0).astype(jnp.int32)
+        match = ngram_lib.match_length(q_logits)
     else:
         match = jnp.zeros(q_logits.shape[:-1], jnp.int32)
     return DrafterFeatures(top=st.top1, entropy=st.entropy, cert=cert, match=match)
@@ -714,7 +715,8 @@ def should_skip(
     drafting = measured_rate(params, state, active, need)
     chooses = (plain >= drafting) & (jnp.all(state.skipped < max_skip) | hopeless | gave_up)
     free = free_to_consult(params.costs) if proposes else jnp.asarray(False)
-    return goodput & ~free & (chooses | stale) & jnp.any(active)
+    # A stale drafter must skip even if free: its re-read could not catch up.
+    return goodput & ((chooses & ~free) | stale) & jnp.any(active)
 
 
 def measured_rate(
@@ -921,6 +923,19 @@ def match_counts(length: jax.Array, tested: jax.Array, accepted: jax.Array):
     tried = (tested & (length > 0)).astype(jnp.float32)[..., None]  # [B, N, 1]
     hit = tried * accepted.astype(jnp.float32)[..., None]
     return jnp.sum(hit * columns, axis=1), jnp.sum(tried * columns, axis=1)
+
+
+def tree_match_counts(tree: DraftTree, tested: jax.Array, accepted: jax.Array):
+    """:func:`match_counts` of a proposing drafter's round: each node's match length read
+    from the drafter logits that proposed it (``tree.q_logits`` at ``tree.q_index``).
+
+    Args:
+      tree: the round's :class:`~jaxcert.decoding.state.DraftTree` (``[B, N]`` nodes).
+      tested, accepted: ``[B, N]`` bool nodes the target tested, and on the accepted path.
+    """
+    per_row = ngram_lib.match_length(tree.q_logits)  # [B, X]: reduce before gathering
+    length = jnp.take_along_axis(per_row, tree.q_index, axis=1)  # [B, N]
+    return match_counts(jnp.where(tree.valid, length, 0), tested, accepted)
 
 
 def free_to_consult(costs: RoundCosts) -> jax.Array:

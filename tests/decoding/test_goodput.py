@@ -932,6 +932,10 @@ def test_prompt_lookup_is_consulted_every_round_where_that_is_free():
     assert not P.should_skip(free, lost, active, 2, proposes=True)
     gave_up = lost.replace(losses=jnp.full((3,), 100), skipped=jnp.ones((3,), jnp.int32))
     assert not P.should_skip(free, gave_up, active, 2, proposes=True)
+    # A batch that skipped past max_skip (while consulting was dearer) still skips: its
+    # re-read could not catch up with the tokens its drafter has not read.
+    stale = lost.replace(skipped=jnp.full((3,), 3, jnp.int32))
+    assert P.should_skip(free, stale, active, 2, proposes=True)
     # An empty round 10% dearer than a plain step: consulting is not free.
     dear = dataclasses.replace(LOOKUP, round_overhead_s=0.1)
     params = _lookup_params(dear, spread=0.0)
@@ -974,6 +978,33 @@ def test_a_proposal_is_estimated_by_its_match_length():
     plain = P.drafter_features(_proposal([1, 3, 12]))
     assert plain.match.tolist() == [0, 0, 0]
     np.testing.assert_allclose(P._token_estimate(params, state, plain), 0.6, rtol=1e-6)
+
+
+def test_a_round_counts_each_proposal_by_the_match_that_proposed_it():
+    """``tree_match_counts`` reads each node's match length from the logits of its parent
+    (``q_logits`` at ``q_index``): a chain of three proposals from matches of 2, 3 and 4
+    tokens, the first two accepted and the third rejected; a row with no proposal."""
+    from jaxcert.decoding.state import DraftTree
+
+    q = _proposal(np.asarray([[2, 3, 4, 0], [0, 0, 0, 0]]))  # [B, X, V] rows 0..3
+    tree = DraftTree(
+        tokens=jnp.ones((2, 3), jnp.int32),
+        parent=jnp.asarray([[-1, 0, 1]] * 2),
+        depth=jnp.asarray([[1, 2, 3]] * 2),
+        rank=jnp.zeros((2, 3), jnp.int32),
+        valid=jnp.asarray([[True, True, True], [False, False, False]]),
+        q_index=jnp.asarray([[0, 1, 2]] * 2),
+        q_logits=q,
+    )
+    tested = jnp.asarray([[True, True, True], [False, False, False]])
+    accepted = jnp.asarray([[True, True, False], [False, False, False]])
+    hits, tries = P.tree_match_counts(tree, tested, accepted)
+    want_tries = np.zeros((2, P.MATCH_CLASSES))
+    want_tries[0, [1, 2, 3]] = 1  # lengths 2, 3, 4
+    want_hits = want_tries.copy()
+    want_hits[0, 3] = 0  # the length-4 proposal was rejected
+    np.testing.assert_array_equal(tries, want_tries)
+    np.testing.assert_array_equal(hits, want_hits)
 
 
 def test_match_counts_and_their_update():

@@ -66,6 +66,20 @@ def test_lookup_prefers_the_longest_then_the_latest_match():
     assert lookup_reference([1, 2, 3], 3) == -1  # no earlier occurrence: no proposal
 
 
+def test_the_match_length_is_read_beyond_n():
+    """The proposal comes from the longest match up to ``n``; its length is read further,
+    up to ``MATCH_REACH``: a copy under way reads long even with ``n`` = 2."""
+    from jaxcert.decoding.ngram import MATCH_REACH
+
+    drafter = NgramDrafter(2, vocab_size=V)
+    seq = list(range(1, 13)) + [40] + list(range(1, 11))  # 1..12, then 1..10 again
+    found = _matches(drafter, [seq], split=5)[0]
+    assert found[-1].tolist() == [11, MATCH_REACH]  # 10 tokens match, read up to 8
+    assert found[13].tolist() == [2, 1]  # "1" after 40: a one-token match so far
+    assert match_reference(seq, 2) == (11, MATCH_REACH)
+    assert match_reference(seq[:16], 2) == (4, 3)
+
+
 def test_project_is_one_hot_and_empty_without_a_match():
     drafter = NgramDrafter(2, vocab_size=V)
     logits = drafter.project(jnp.asarray([[3, 2], [-1, 0]], jnp.int32))
