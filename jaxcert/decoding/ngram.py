@@ -10,22 +10,21 @@ the continuation of the matched text token by token.
 
 Its ``q`` is one-hot: a finite logit at the proposed token and ``-inf`` elsewhere (every
 logit ``-inf`` when there is no match). The finite logit is the match's length in tokens
-(read up to ``max(n, MATCH_REACH)`` tokens): any finite value gives the same one-hot
-``q``, and the value tells the decoder's ``goodput`` policy how long the match was, its
-estimate of the proposal's acceptance (``docs/goodput.md``, "Prompt lookup: a drafter
-that costs nothing"). The decoder treats
-such a drafter as proposing tokens, not distributions
+(read up to ``max(n, MATCH_REACH)`` tokens): any finite value gives the same one-hot ``q``,
+and the value tells the decoder's ``goodput`` policy how long the match was, its estimate of
+the proposal's acceptance (``docs/goodput.md``, "Prompt lookup: a drafter that costs
+nothing"). The decoder treats such a drafter as proposing tokens, not distributions
 (:attr:`NgramDrafter.proposes_tokens`): a node without a proposal is not drafted (a row with
 none at all verifies nothing: a plain target step), greedy rules accept the proposal when
-the target agrees, and speculative sampling accepts it with probability
-``p(x)`` and resamples from ``norm((p - q)+)`` on rejection, which for a one-hot ``q`` is
-exact. ``KL(p || q)`` is infinite and the certificate comparison ``KL < C_p`` has no meaning
-for such a ``q``: the decoder's per-node ``kl``, ``cert``, ``cert_list`` and drafter
-statistics are ``nan`` for it (``docs/design.md``, "N-gram drafting").
+the target agrees, and speculative sampling accepts it with probability ``p(x)`` and
+resamples from ``norm((p - q)+)`` on rejection, which for a one-hot ``q`` is exact.
+``KL(p || q)`` is infinite and the certificate comparison ``KL < C_p`` has no meaning for such a
+``q``: the decoder's per-node ``kl``, ``cert``, ``cert_list`` and drafter statistics are
+``nan`` for it (``docs/design.md``, "N-gram drafting").
 
 The drafter's cache is the token history, ``[B, S]`` int32 per row (:class:`TokenCache`).
-Each lookup compares the last ``n`` tokens against every earlier slot: ``O(S * n)`` integer
-compares per drafted token, no matrix product.
+Each lookup compares the last ``max(n, MATCH_REACH)`` tokens against every earlier slot:
+``O(S * n)`` integer compares per drafted token, no matrix product.
 """
 
 from __future__ import annotations
