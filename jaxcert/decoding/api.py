@@ -312,14 +312,12 @@ def _never_drafts(params: policies_lib.PolicyParams, config: DecodeConfig, batch
     measurement of ``batch`` row-rounds, reaches ``patience``, so it never measures again
     (``docs/goodput.md``, "What earlier decodes measured")."""
     patience = int(jax.device_get(params.patience))
-    if config.skips == 0 or patience <= 0 or batch < patience:
-        return False
+    if config.skips == 0 or patience <= 0 or batch < patience or config.proposes_tokens:
+        return False  # a proposing drafter is read before every round, whatever the past
     state = policies_lib.init_policy_state(params, batch)
     active = jnp.ones((batch,), bool)  # every row, padding rows included, starts active
     need = jnp.ones((batch,), jnp.float32)  # equal budgets: only their ratios matter
-    skip = policies_lib.should_skip(
-        params, state, active, config.skips, need, config.proposes_tokens
-    )
+    skip = policies_lib.should_skip(params, state, active, config.skips, need)
     return bool(skip)
 
 
@@ -482,17 +480,33 @@ def speculative_decode(
     run_args = (t_params, d_params, pre.out_info, policy_params)
     run = programs.compile(loop.run_rounds, run_args, graphdefs | {"config": static}, on_compile)
     if hand_off:  # goodput's plain steps run in the target-only program
-        plan = programs.compile(
-            loop.skip_next, (policy_params, pre.out_info), {"config": static}, on_compile
-        )
+        # A proposing drafter is read before every round and after every plain step.
+        looks = static.proposes_tokens
+        look_args = (d_params,) if looks else ()
+        look_kw = {"d_graphdef": d_graphdef} if looks else {}
+        plan_program = programs.compile(
+            loop.skip_next, (policy_params, pre.out_info, *look_args),
+            {"config": static} | look_kw, on_compile,
+        )  # fmt: skip
         steps_kw = {
             "graphdef": t_graphdef,
             "steps": static.skips,
             "sampling": static.verification.sampling,
         }
-        plain = programs.compile(
-            loop.run_target_steps, (t_params, pre.out_info), steps_kw, on_compile
+        if looks:
+            steps_kw |= look_kw | {"config": static}
+            look_args += (policy_params,)
+        steps_program = programs.compile(
+            loop.run_target_steps, (t_params, pre.out_info, *look_args), steps_kw, on_compile
         )
+
+        def plan(policy_params, state):
+            return plan_program(policy_params, state, *((d_params,) if looks else ()))
+
+        def plain(t_params, state):
+            extra = (d_params, policy_params) if looks else ()
+            return steps_program(t_params, state, *extra)
+
     compile_s, compiled = time.perf_counter() - t0, programs.compiled - before
     chunks: list = []
     tracker = None

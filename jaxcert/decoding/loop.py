@@ -300,11 +300,22 @@ def hands_off(config: DecodeConfig) -> bool:
     return config.skips > 0 and config.head_taps is None
 
 
-def _skip_next(policy, state: DecodeState, config) -> jax.Array:
-    """``[]`` bool: the next round would skip the drafter (``goodput``)."""
+def _proposal(d_graphdef, d_params, state: DecodeState) -> policies_lib.DrafterFeatures:
+    """A proposing drafter's next proposal for every row, read from the text (no pass)."""
+    drafter = nnx.merge(d_graphdef, d_params)
+    return policies_lib.proposal_features(drafter.propose(state.tokens, state.length))
+
+
+def _skip_next(policy, state: DecodeState, config, d_graphdef=None, d_params=None) -> jax.Array:
+    """``[]`` bool: the next round would skip the drafter (``goodput``). A proposing
+    drafter (``config.proposes_tokens``; give its ``d_graphdef`` and ``d_params``) is read
+    first: the round is skipped when no row's proposal is worth one."""
     assert state.policy is not None
+    proposal = None
+    if config.proposes_tokens and config.skips:
+        proposal = _proposal(d_graphdef, d_params, state)
     return policies_lib.should_skip(
-        policy, state.policy, ~state.done, config.skips, _need(state), config.proposes_tokens
+        policy, state.policy, ~state.done, config.skips, _need(state), proposal
     )
 
 
@@ -315,11 +326,19 @@ def _need(state: DecodeState) -> jax.Array:
     return jnp.where(state.done, 0, jnp.maximum(remaining, 1)).astype(jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("config",))
-def skip_next(policy: policies_lib.PolicyParams, state: DecodeState, *, config: DecodeConfig):
+@functools.partial(jax.jit, static_argnames=("config", "d_graphdef"))
+def skip_next(
+    policy: policies_lib.PolicyParams,
+    state: DecodeState,
+    d_params: nnx.State | None = None,
+    *,
+    config: DecodeConfig,
+    d_graphdef: nnx.GraphDef | None = None,
+):
     """Whether the next round would skip the drafter (``[]`` bool, for the host loop of
-    :func:`hands_off` configurations)."""
-    return _skip_next(policy, state, config)
+    :func:`hands_off` configurations); a proposing drafter's ``d_graphdef`` and
+    ``d_params`` are needed to read its proposal."""
+    return _skip_next(policy, state, config, d_graphdef, d_params)
 
 
 def _round(t_graphdef, t_params, d_graphdef, d_params, policy, state: DecodeState, config):
@@ -329,7 +348,7 @@ def _round(t_graphdef, t_params, d_graphdef, d_params, policy, state: DecodeStat
     if config.skips == 0 or hands_off(config):
         return _speculative_round(t_graphdef, t_params, d_graphdef, d_params, policy, state, config)
     return lax.cond(
-        _skip_next(policy, state, config),
+        _skip_next(policy, state, config, d_graphdef, d_params),
         functools.partial(_plain_round, t_graphdef, t_params, policy, config=config),
         functools.partial(
             _speculative_round, t_graphdef, t_params, d_graphdef, d_params, policy,
@@ -524,7 +543,7 @@ def run_rounds(
         r, state, _ = carry
         go = (r < r_max) & ~jnp.all(state.done)
         if hands_off(config):
-            go = go & ~_skip_next(policy, state, config)
+            go = go & ~_skip_next(policy, state, config, d_graphdef, d_params)
         return go
 
     def body(carry):
@@ -554,25 +573,41 @@ def prefill_target(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("graphdef", "steps", "sampling"), donate_argnames=("state",)
+    jax.jit,
+    static_argnames=("graphdef", "steps", "sampling", "d_graphdef", "config"),
+    donate_argnames=("state",),
 )
 def run_target_steps(
     params: nnx.State,
     state: DecodeState,
+    d_params: nnx.State | None = None,
+    policy: policies_lib.PolicyParams | None = None,
     *,
     graphdef: nnx.GraphDef,
     steps: int,
     sampling: bool,
+    d_graphdef: nnx.GraphDef | None = None,
+    config: DecodeConfig | None = None,
 ) -> DecodeState:
     """Up to ``steps`` target-only decoding steps: greedy, or sampled with ``sampling`` at
-    the state's (traced) temperature and top-p; budget and end tokens from its settings."""
+    the state's (traced) temperature and top-p; budget and end tokens from its settings.
+
+    With a proposing drafter (``d_graphdef``, ``d_params``, the ``goodput`` ``policy`` and
+    the speculative ``config``), the steps stop before one where a row's proposal is worth
+    a round (after the first step), and the drafter catches up with the text (its re-read
+    then starts at the last token): ``goodput`` reads prompt lookup at every token, at the
+    price of a few integer comparisons, and a skipped drafter is never stale."""
     b = state.length.shape[0]
     rows = jnp.arange(b)
     settings = state.settings
+    looks = d_graphdef is not None
 
     def cond(carry):
         r, state = carry
-        return (r < steps) & ~jnp.all(state.done)
+        go = (r < steps) & ~jnp.all(state.done)
+        if looks:
+            go = go & ((r == 0) | _skip_next(policy, state, config, d_graphdef, d_params))
+        return go
 
     def body(carry):
         r, state = carry
@@ -603,4 +638,10 @@ def run_target_steps(
         return r + 1, state
 
     _, state = lax.while_loop(cond, body, (jnp.asarray(0, jnp.int32), state))
+    if d_graphdef is not None:
+        drafter = nnx.merge(d_graphdef, d_params)
+        state = state.replace(
+            drafter_cache=drafter.catch_up(state.drafter_cache, state.tokens, state.length),
+            drafter_start=state.length - 1,
+        )
     return state

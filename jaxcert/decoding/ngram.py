@@ -239,6 +239,27 @@ class NgramDrafter(nnx.Module):
         hidden, cache = self.features(tokens, cache, **kwargs)
         return self.project(hidden), cache
 
+    def propose(self, tokens: jax.Array, length: jax.Array) -> jax.Array:
+        """The proposal for the token after each row's text, read from the text alone:
+        ``[B, S]`` int tokens and ``[B]`` lengths ``n`` -> ``[B, 2]`` int32 (proposal, match
+        length; ``(-1, 0)``: none), what :meth:`features` returns at position ``n - 1``
+        once the drafter has read ``tokens[:n]``. It costs a few integer comparisons per
+        slot, so ``goodput`` reads it before every round (``docs/goodput.md``, "Prompt
+        lookup: looking before drafting")."""
+        look = jax.vmap(_lookup, (0, 0, None, None))
+        end = jnp.asarray(length, jnp.int32) - 1
+        return look(tokens.astype(jnp.int32), end, self.n, self.min_n)
+
+    def catch_up(self, cache: TokenCache, tokens: jax.Array, length: jax.Array) -> TokenCache:
+        """The cache after reading ``tokens[:length]`` (``[B, S]``, ``[B]``) whatever it had
+        read: its history is the text, so a drafter that skipped rounds catches up without
+        a pass. The cache's ``B * M`` rows (tree branches) each get their row's text."""
+        m = cache.batch_size // tokens.shape[0]
+        s = cache.tokens.shape[1]
+        text = jnp.repeat(tokens.astype(jnp.int32), m, axis=0)[:, :s]
+        text = jnp.pad(text, ((0, 0), (0, s - text.shape[1])), constant_values=_EMPTY)
+        return TokenCache(tokens=text, length=jnp.repeat(jnp.asarray(length, jnp.int32), m))
+
 
 def match_length(q_logits: jax.Array) -> jax.Array:
     """The match length a proposing drafter's logits carry: ``[..., V]`` -> ``[...]`` int32,

@@ -70,7 +70,7 @@ __all__ = [
     "tested_estimate",
     "match_counts",
     "tree_match_counts",
-    "free_to_consult",
+    "proposal_features",
     "MATCH_CLASSES",
 ]
 
@@ -78,9 +78,6 @@ DEFAULT_K_MAX = 40
 # Classes of a proposing drafter's match length that ``goodput`` keeps acceptance counts for:
 # 1, 2, ..., MATCH_CLASSES - 1 tokens, and MATCH_CLASSES or more.
 MATCH_CLASSES = ngram_lib.MATCH_REACH
-# A proposing drafter is consulted every round when a round that drafts nothing costs at
-# most this much more than a plain step (``docs/goodput.md``, "Prompt lookup").
-FREE_MARGIN = 0.05
 _KINDS = ("constant", "heuristic", "confidence", "svip", "cert", "goodput")
 
 
@@ -644,6 +641,16 @@ def _best_deeper(costs: RoundCosts, expected, prob, a, drafted, k_max, need=None
     return jnp.max(jnp.where(deeper, rate, -jnp.inf)), now
 
 
+def _worth_drafting(params, state, features, need):
+    """``goodput``'s choice (``[]`` bool): a round that drafts beats a plain verification
+    of the root, at the acceptance estimate of the drafter's first token."""
+    a = _token_estimate(params, state, features)
+    one = jnp.ones_like(a)
+    start = jnp.asarray(0, jnp.int32)
+    deeper, now = _best_deeper(params.costs, one, one, a, start, params.k_max, need)
+    return deeper > now
+
+
 def draft_any(
     params: PolicyParams,
     state: PolicyState,
@@ -662,12 +669,21 @@ def draft_any(
       need: ``[B]`` tokens each row still has to write (0: done); ``None``: weigh the
         batch's total tokens per second instead of its finishing time (:func:`_batch`).
     """
-    a = _token_estimate(params, state, features)
-    one = jnp.ones_like(a)
-    start = jnp.asarray(0, jnp.int32)
-    deeper, now = _best_deeper(params.costs, one, one, a, start, params.k_max, need)
+    worth = _worth_drafting(params, state, features, need)
     measures = jnp.any(state.skipped > 0)
-    return (params.kind != _KINDS.index("goodput")) | (deeper > now) | measures
+    return (params.kind != _KINDS.index("goodput")) | worth | measures
+
+
+def proposal_features(proposals: jax.Array) -> DrafterFeatures:
+    """The :class:`DrafterFeatures` of a proposing drafter's proposals, ``[B, 2]`` int
+    (token, match length; token ``-1``: none), as
+    :meth:`~jaxcert.decoding.ngram.NgramDrafter.propose` returns them: the match length,
+    0 without a proposal; ``top``, ``entropy`` and ``cert`` are ``nan`` (a point mass has
+    no certificate worth reading)."""
+    proposals = jnp.asarray(proposals, jnp.int32)
+    match = jnp.where(proposals[:, 0] >= 0, proposals[:, 1], 0)
+    nan = jnp.full(match.shape, jnp.nan, jnp.float32)
+    return DrafterFeatures(top=nan, entropy=nan, cert=nan, match=match)
 
 
 def should_skip(
@@ -676,7 +692,7 @@ def should_skip(
     active: jax.Array,
     max_skip: int,
     need: jax.Array | None = None,
-    proposes: bool = False,
+    proposal: DrafterFeatures | None = None,
 ):
     """Whether the batch skips the drafter this round: a plain target step (``[]`` bool).
 
@@ -691,32 +707,40 @@ def should_skip(
     ``max_skip`` rounds in a row always skips: its drafter is further behind than one
     re-read (``DecodeConfig.reread``) can catch up.
 
+    A proposing drafter (prompt lookup) is read before the round instead, since reading
+    it costs nothing: the batch skips exactly when no draft of the active rows'
+    ``proposal`` (each estimated by its match length) beats a plain step.
+    Its drafter catches up from the text after skipped rounds, so it is never stale
+    (``docs/goodput.md``, "Prompt lookup: looking before drafting").
+
     Args:
       params, state: the policy and its per-row state.
       active: ``[B]`` bool rows still decoding.
       max_skip: static, ``DecodeConfig.max_skip``.
       need: ``[B]`` tokens each row still has to write (0 for rows not ``active``);
         ``None``: weigh the batch's total tokens per second (:func:`_batch`).
-      proposes: static, the drafter proposes tokens: where consulting it is free
-        (:func:`free_to_consult`) it is never skipped, since each round decides from its
-        proposal (its match length) whether to draft.
+      proposal: for a proposing drafter, the ``[B]`` features of each row's next proposal
+        (:func:`proposal_features`); ``None`` for a drafter with distributions.
     """
     if max_skip == 0:
         return jnp.asarray(False)
+    goodput = params.kind == _KINDS.index("goodput")
     w = active.astype(jnp.float32)
     start = jnp.asarray(0, jnp.int32)
+    plain = _batch(w, need) / jnp.maximum(params.costs.skip_s, 1e-12)
+    if proposal is not None:  # the best draft of these proposals against a plain step
+        match = jnp.where(active, proposal.match, 0)
+        a = _token_estimate(params, state, dataclasses.replace(proposal, match=match))
+        best, _ = _best_deeper(params.costs, w, w, a, start, params.k_max, need)
+        return goodput & (plain >= best) & jnp.any(active)
     full = jnp.full_like(w, 0.999)
     best, _ = _best_deeper(params.costs, w, w, full, start, params.k_max, need)
-    plain = _batch(w, need) / jnp.maximum(params.costs.skip_s, 1e-12)
     hopeless = plain >= best
     gave_up = (params.patience > 0) & jnp.all(state.losses >= params.patience)
     stale = jnp.any((state.skipped > max_skip) & (state.skipped != UNMEASURED))
-    goodput = params.kind == _KINDS.index("goodput")
     drafting = measured_rate(params, state, active, need)
     chooses = (plain >= drafting) & (jnp.all(state.skipped < max_skip) | hopeless | gave_up)
-    free = free_to_consult(params.costs) if proposes else jnp.asarray(False)
-    # A stale drafter must skip even if free: its re-read could not catch up.
-    return goodput & ((chooses & ~free) | stale) & jnp.any(active)
+    return goodput & (chooses | stale) & jnp.any(active)
 
 
 def measured_rate(
@@ -936,13 +960,6 @@ def tree_match_counts(tree: DraftTree, tested: jax.Array, accepted: jax.Array):
     per_row = ngram_lib.match_length(tree.q_logits)  # [B, X]: reduce before gathering
     length = jnp.take_along_axis(per_row, tree.q_index, axis=1)  # [B, N]
     return match_counts(jnp.where(tree.valid, length, 0), tested, accepted)
-
-
-def free_to_consult(costs: RoundCosts) -> jax.Array:
-    """Whether consulting a proposing drafter costs nothing (``[]`` bool): a round that
-    drafts nothing costs at most ``1 + FREE_MARGIN`` plain steps. ``goodput`` then asks it
-    every round and never skips it (``docs/goodput.md``, "Prompt lookup")."""
-    return costs.round_s[0] <= costs.skip_s * (1.0 + FREE_MARGIN)
 
 
 def skipped_round(state: PolicyState, count=1, rows=None) -> PolicyState:

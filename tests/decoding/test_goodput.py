@@ -912,38 +912,47 @@ def _proposal(length, v=5):
     return jnp.asarray(logits)
 
 
-def test_prompt_lookup_is_consulted_every_round_where_that_is_free():
-    """A proposing drafter whose empty round costs what a plain step costs is never
-    skipped, whatever its drafting measured (each round decides from its proposal); where
-    an empty round costs more (an overhead beyond ``FREE_MARGIN``), it is skipped as any
-    drafter is; a drafter with distributions is skipped at the same costs."""
+def _lookup_features(match):
+    return P.proposal_features(jnp.stack([jnp.where(jnp.asarray(match) > 0, 1, -1),
+                                          jnp.asarray(match)], axis=-1))  # fmt: skip
+
+
+def test_prompt_lookup_is_read_before_every_round():
+    """A proposing drafter is read before the round: the batch skips exactly when no
+    active row's proposal is worth a round, whatever its drafting measured, its losses or
+    how long it skipped (it catches up from the text); a drafter with distributions is
+    skipped on its measured drafting at the same costs; with rounds far dearer than plain
+    steps no proposal is worth one."""
     active = jnp.ones((3,), bool)
-    free = _lookup_params(LOOKUP, spread=0.0)
-    assert bool(P.free_to_consult(free.costs))
-    depths = free.costs.round_s.shape[0]
+    params = _lookup_params(LOOKUP, spread=0.0)
+    depths = params.costs.round_s.shape[0]
     rounds = np.zeros((3, depths), np.float32)
     rounds[:, 1] = 2.0
-    lost = P.init_policy_state(free, 3).replace(
-        skipped=jnp.zeros((3,), jnp.int32),
+    hits = np.full((3, P.MATCH_CLASSES), 0.6, np.float32)
+    tries = np.ones_like(hits)
+    tries[:, 0], hits[:, 0] = 10.0, 0.5  # matches of 1 token: rarely accepted
+    tries[:, -1], hits[:, -1] = 10.0, 10.0  # matches of 8 or more: always
+    lost = P.init_policy_state(params, 3).replace(
+        skipped=jnp.full((3,), 5, jnp.int32),  # stale for a drafter with distributions
+        losses=jnp.full((3,), 100),
         emitted=jnp.full((3,), 2.0),
         rounds=jnp.asarray(rounds),
+        match_accepted=jnp.asarray(hits),
+        match_tested=jnp.asarray(tries),
     )  # fmt: skip  two depth-1 rounds that emitted one token each: drafting lost
-    assert P.should_skip(free, lost, active, 2)  # as a drafter with distributions
-    assert not P.should_skip(free, lost, active, 2, proposes=True)
-    gave_up = lost.replace(losses=jnp.full((3,), 100), skipped=jnp.ones((3,), jnp.int32))
-    assert not P.should_skip(free, gave_up, active, 2, proposes=True)
-    # A batch that skipped past max_skip (while consulting was dearer) still skips: its
-    # re-read could not catch up with the tokens its drafter has not read.
-    stale = lost.replace(skipped=jnp.full((3,), 3, jnp.int32))
-    assert P.should_skip(free, stale, active, 2, proposes=True)
-    # An empty round 10% dearer than a plain step: consulting is not free.
-    dear = dataclasses.replace(LOOKUP, round_overhead_s=0.1)
-    params = _lookup_params(dear, spread=0.0)
-    assert not bool(P.free_to_consult(params.costs))
-    assert P.should_skip(params, lost, active, 2, proposes=True)
-    # Within the margin it is.
-    near = _lookup_params(dataclasses.replace(LOOKUP, round_overhead_s=0.9 * P.FREE_MARGIN))
-    assert bool(P.free_to_consult(near.costs))
+    assert P.should_skip(params, lost, active, 2)  # a drafter with distributions
+    none, short, long = (_lookup_features([k, k, k]) for k in (0, 1, 8))
+    assert P.should_skip(params, lost, active, 2, proposal=none)  # nothing proposed
+    assert P.should_skip(params, lost, active, 2, proposal=short)  # not worth a round
+    assert not P.should_skip(params, lost, active, 2, proposal=long)
+    one_long = _lookup_features([0, 8, 1])
+    assert not P.should_skip(params, lost, active, 2, proposal=one_long)
+    # ... unless the row with the long match is done.
+    assert P.should_skip(params, lost, jnp.array([True, False, True]), 2, proposal=one_long)
+    dear = _lookup_params(dataclasses.replace(LOOKUP, round_overhead_s=50.0), spread=0.0)
+    assert P.should_skip(dear, lost, active, 2, proposal=long)
+    # With max_skip 0 nothing is skipped.
+    assert not P.should_skip(params, lost, active, 0, proposal=none)
 
 
 def test_a_proposal_is_estimated_by_its_match_length():

@@ -178,12 +178,12 @@ def test_an_unbound_drafter_needs_a_vocabulary():
         NgramDrafter(3).project(jnp.zeros((1, 2), jnp.int32))
 
 
-def test_goodput_consults_a_free_lookup_whatever_the_past_says(target):
+def test_goodput_reads_the_lookup_before_every_round_whatever_the_past_says(target):
     """Earlier decodes' drafting says drafting loses, which makes a drafter with a cost of
-    its own run as target-only decoding; prompt lookup, whose empty round costs a plain
-    step, is still consulted every round and drafts where its matches are accepted
-    (exactly, at T = 0). With an overhead that makes consulting it dearer than a plain
-    step, the past decides as for any drafter."""
+    its own run as target-only decoding; prompt lookup is still read before every round
+    (and after every plain step) and drafts where its matches are worth a round (exactly,
+    at T = 0). With rounds far dearer than plain steps no proposal is worth one: every
+    token comes from a plain step, and the output is still exact."""
     from jaxcert.decoding import loop
     from jaxcert.decoding.costs import PassCosts, PastDrafting
 
@@ -197,7 +197,7 @@ def test_goodput_consults_a_free_lookup_whatever_the_past_says(target):
     rounds = np.zeros(free.round_costs(resolved).round_s.shape[0])
     rounds[1] = 3.0
     losing = {"greedy": PastDrafting(3.0, tuple(rounds))}  # one token per row-round
-    for overhead, consulted in ((0.0, True), (0.5, False)):
+    for overhead, drafts in ((0.0, True), (50.0, False)):
         costs = dataclasses.replace(free, drafting=losing, round_overhead_s=overhead)
         programs = decoding.Programs()
         out = decoding.speculative_decode(
@@ -207,5 +207,33 @@ def test_goodput_consults_a_free_lookup_whatever_the_past_says(target):
         for got, ref in zip(out.tokens, want.tokens, strict=True):
             np.testing.assert_array_equal(got, ref)
         st = out.stats
-        assert bool(programs.of(loop.prefill)) == consulted
-        assert (st.accepted[st.active].sum() > 0) == consulted
+        assert programs.of(loop.prefill)  # never run as target-only decoding
+        assert (st.accepted[st.active].sum() > 0) == drafts
+        assert (st.drafted[st.active].sum() > 0) == drafts
+        # Every token of a decode that never drafts comes from a plain step.
+        emitted = np.where(st.active, st.emitted, 0).sum()
+        assert emitted == sum(len(t) for t in out.tokens)
+
+
+def test_propose_reads_the_text_as_the_drafter_would():
+    """``propose`` (read before a round, from the text alone) equals what ``features``
+    returns at the last position once the drafter has read the text; ``catch_up`` gives
+    every tree branch's row that text, after which the drafter proposes the same."""
+    rng = np.random.default_rng(7)
+    tokens = rng.integers(0, 4, size=(3, 20)).astype(np.int32)
+    length = np.array([20, 11, 5], np.int32)
+    drafter = NgramDrafter(3, vocab_size=V)
+    got = np.asarray(drafter.propose(jnp.asarray(tokens), jnp.asarray(length)))
+    for row, n, found in zip(tokens, length, got, strict=True):
+        assert tuple(found.tolist()) == match_reference([int(x) for x in row[:n]], 3)
+    m = 2  # two branches per row
+    cache = drafter.init_cache(3 * m, 32).commit(4)  # read something else before
+    cache = drafter.catch_up(cache, jnp.asarray(tokens), jnp.asarray(length))
+    np.testing.assert_array_equal(np.asarray(cache.length), np.repeat(length, m))
+    for r in range(3 * m):
+        np.testing.assert_array_equal(np.asarray(cache.tokens)[r, :20], tokens[r // m])
+    # Re-reading the last token after the catch-up proposes what `propose` did.
+    last = jnp.asarray(tokens[np.arange(3), length - 1])[:, None]
+    rows = jnp.arange(3) * m
+    feats, _ = drafter.features(last, cache.take_rows(rows).rollback(jnp.asarray(length - 1)))
+    np.testing.assert_array_equal(np.asarray(feats)[:, 0], got)
