@@ -27,6 +27,7 @@ __all__ = [
     "DecoderModel",
     "FeatureDrafter",
     "ModelConfigLike",
+    "ProposingDrafter",
     "context_before",
     "reads_target",
 ]
@@ -102,6 +103,27 @@ class FeatureDrafter(Protocol):
 
     def project(self, hidden: jax.Array) -> jax.Array:
         """``[..., E]`` hidden states -> ``[..., V]`` float32 logits (the full vocabulary)."""
+        ...
+
+
+@runtime_checkable
+class ProposingDrafter(Protocol):
+    """A drafter that proposes tokens from the text alone (prompt lookup,
+    :class:`~jaxcert.decoding.ngram.NgramDrafter`): :class:`DecoderModel`'s surface with a
+    one-hot ``q``, marked by ``proposes_tokens = True``, and two more methods that
+    ``goodput`` uses to read it before every round and to skip it without its falling
+    behind (``docs/goodput.md``, "Prompt lookup: looking before drafting").
+    """
+
+    proposes_tokens: bool
+
+    def propose(self, tokens: jax.Array, length: jax.Array) -> jax.Array:
+        """``[B, S]`` tokens, ``[B]`` lengths -> ``[B, 2]`` int32 (the proposal for the
+        token after ``tokens[:length]``, its match length; ``(-1, 0)``: none)."""
+        ...
+
+    def catch_up(self, cache: Cache, tokens: jax.Array, length: jax.Array) -> Cache:
+        """The cache after reading ``tokens[:length]``, without a pass."""
         ...
 
 

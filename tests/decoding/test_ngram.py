@@ -223,6 +223,7 @@ def test_propose_reads_the_text_as_the_drafter_would():
     tokens = rng.integers(0, 4, size=(3, 20)).astype(np.int32)
     length = np.array([20, 11, 5], np.int32)
     drafter = NgramDrafter(3, vocab_size=V)
+    assert isinstance(drafter, decoding.protocols.ProposingDrafter)
     got = np.asarray(drafter.propose(jnp.asarray(tokens), jnp.asarray(length)))
     for row, n, found in zip(tokens, length, got, strict=True):
         assert tuple(found.tolist()) == match_reference([int(x) for x in row[:n]], 3)
