@@ -10,6 +10,11 @@ Example::
 
   python scripts/bench_pass_width.py --model qwen2.5-coder-1.5b-instruct --rows 1,4,8 \
       --drafter qwen2.5-coder-0.5b-instruct --json jaxcert-out/pass_width.json
+
+With ``--random-weights`` only the models' configs are read (a model name, a ``.gguf`` file's
+header, or a folder holding just a ``config.json``) and the weights are drawn at random in
+``--dtype``: a pass's time depends on the shapes alone, so this times a model's passes on a
+machine its weights cannot reach (``scripts/device_check.sh``).
 """
 
 from __future__ import annotations
@@ -18,8 +23,20 @@ import argparse
 import json
 import pathlib
 
+import jax.numpy as jnp
+from flax import nnx
+
 from jaxcert import decoding, models
 from jaxcert.decoding import costs
+
+
+def _model(name: str, random_weights: bool, dtype: str):
+    """The model to time: loaded, or built from its config with random weights in ``dtype``."""
+    if not random_weights:
+        return models.load(name)
+    dt = jnp.dtype(dtype)
+    config = models.read_config(name)
+    return models.Transformer(config, rngs=nnx.Rngs(0), dtype=dt, param_dtype=dt)
 
 
 def main(argv=None) -> int:
@@ -31,9 +48,15 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=200, help="tokens already in the cache")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", type=pathlib.Path, default=None, help="write the costs here")
+    p.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="read only the configs; draw the weights at random (a pass's time is the shapes')",
+    )
+    p.add_argument("--dtype", default="float32", help="weights' dtype with --random-weights")
     args = p.parse_args(argv)
-    lm = models.load(args.model)
-    drafter = models.load(args.drafter) if args.drafter else None
+    lm = _model(args.model, args.random_weights, args.dtype)
+    drafter = _model(args.drafter, args.random_weights, args.dtype) if args.drafter else None
     widths = [int(x) for x in args.widths.split(",")]
     config = decoding.DecodeConfig(max_draft=max(widths))
     results = {}

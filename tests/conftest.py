@@ -20,7 +20,10 @@ for folder in (_HERE, _HERE / "models"):
 # tests/decoding takes 209 s instead of 354 s). Same semantics; JAXCERT_TEST_XLA_OPT=1 keeps
 # XLA's defaults. Set before jax is imported; subprocesses
 # inherit it (tests that add device-count flags append to it).
-if os.environ.get("JAXCERT_TEST_XLA_OPT") != "1":
+# JAXCERT_TEST_XLA_FLAGS=0 adds no flag at all: on an accelerator machine (the decoder tests
+# of scripts/device_check.sh), whose XLA may reject these CPU flags and abort the process.
+_FLAGS = os.environ.get("JAXCERT_TEST_XLA_FLAGS") != "0"
+if _FLAGS and os.environ.get("JAXCERT_TEST_XLA_OPT") != "1":
     _CHEAP = [
         "--xla_backend_optimization_level=0",
         "--xla_llvm_disable_expensive_passes=true",
@@ -34,7 +37,7 @@ if os.environ.get("JAXCERT_TEST_XLA_OPT") != "1":
 # long behind each other (CI saw it once): the tests allow 15 minutes. Kept with
 # JAXCERT_TEST_XLA_OPT=1 too; inherited by the subprocesses.
 _TIMEOUT = "--xla_cpu_collective_call_terminate_timeout_seconds=900"
-if "collective_call_terminate_timeout" not in os.environ.get("XLA_FLAGS", ""):
+if _FLAGS and "collective_call_terminate_timeout" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _TIMEOUT).strip()
 
 # The CLI turns on JAX's persistent compilation cache: in tests, a fresh folder per session
