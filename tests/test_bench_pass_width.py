@@ -60,7 +60,7 @@ def test_passes_are_timed_without_weights(config_only, tmp_path):
 
 
 def test_without_the_flag_a_folder_without_weights_is_refused(config_only):
-    with pytest.raises(ValueError, match="safetensors|weights"):
+    with pytest.raises(ValueError, match="config_only: no "):  # names what is missing
         _script()._model(str(config_only), False, "float32")
 
 
