@@ -3,24 +3,16 @@ and decodes what an uninterrupted one does; a checkpoint is never overwritten si
 ``--ignore-eos`` decodes every row to its budget."""
 
 import dataclasses
-import importlib.util
 import json
-import pathlib
-import sys
 
 import numpy as np
 import pytest
 import tiny_lm
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from scripts_loader import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("bench_decode", ROOT / "scripts/bench_decode.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_decode"] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_decode")
 
 
 @pytest.fixture(scope="module")

@@ -1,27 +1,17 @@
 """scripts/bench_pass_width.py --random-weights: a model's passes timed from its config alone
 (no weights read), and the shapes of the default models kept in scripts/shapes/."""
 
-import importlib.util
 import json
-import pathlib
 import shutil
 
 import jax.numpy as jnp
 import pytest
 import tiny_lm
+from scripts_loader import ROOT, load_script
 
 from jaxcert import models
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHAPES = ROOT / "scripts" / "shapes"
-
-
-def _script():
-    path = ROOT / "scripts" / "bench_pass_width.py"
-    spec = importlib.util.spec_from_file_location("bench_pass_width", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +26,7 @@ def config_only(tmp_path_factory):
 
 
 def test_random_weights_take_the_config_shape_and_dtype(config_only):
-    model = _script()._model(str(config_only), True, "bfloat16")
+    model = load_script("bench_pass_width")._model(str(config_only), True, "bfloat16")
     assert model.config == models.read_config(config_only)
     assert model.embedding[...].dtype == jnp.bfloat16
     assert model.embedding[...].shape == (48, 32)  # [V, E] of the tiny config
@@ -49,7 +39,7 @@ def test_passes_are_timed_without_weights(config_only, tmp_path):
         "--dtype", "bfloat16", "--rows", "1,2", "--widths", "1,3", "--repeats", "1",
         "--context", "8", "--json", str(out),
     ]  # fmt: skip
-    assert _script().main(argv) == 0
+    assert load_script("bench_pass_width").main(argv) == 0
     results = json.loads(out.read_text())
     assert sorted(results) == ["1", "2"]
     for rows, measured in results.items():
@@ -61,7 +51,7 @@ def test_passes_are_timed_without_weights(config_only, tmp_path):
 
 def test_without_the_flag_a_folder_without_weights_is_refused(config_only):
     with pytest.raises(ValueError, match="config_only: no "):  # names what is missing
-        _script()._model(str(config_only), False, "float32")
+        load_script("bench_pass_width")._model(str(config_only), False, "float32")
 
 
 @pytest.mark.parametrize(
