@@ -53,10 +53,18 @@ def main(argv=None) -> int:
         action="store_true",
         help="read only the configs; draw the weights at random (a pass's time is the shapes')",
     )
-    p.add_argument("--dtype", default="float32", help="weights' dtype with --random-weights")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16", "float16"),
+        help="weights' dtype with --random-weights",
+    )
     args = p.parse_args(argv)
-    lm = _model(args.model, args.random_weights, args.dtype)
-    drafter = _model(args.drafter, args.random_weights, args.dtype) if args.drafter else None
+    try:
+        lm = _model(args.model, args.random_weights, args.dtype)
+        drafter = _model(args.drafter, args.random_weights, args.dtype) if args.drafter else None
+    except ValueError as e:  # a model that cannot be loaded or read: named, no traceback
+        p.error(str(e))
     widths = [int(x) for x in args.widths.split(",")]
     config = decoding.DecodeConfig(max_draft=max(widths))
     results = {}

@@ -73,3 +73,17 @@ def test_the_kept_shapes_equal_the_cached_models_configs(name):
     if assets.cached_path(name) is None:
         pytest.skip(f"{name} is not cached (jaxcert fetch {name})")
     assert models.read_config(SHAPES / name) == models.read_config(name)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--random-weights", "--dtype", "int8"], "argument --dtype: invalid choice"),
+        (["--random-weights", "--model", "no/such/folder"], "cannot load 'no/such/folder'"),
+    ],
+)
+def test_bad_options_are_named(extra, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        load_script("bench_pass_width").main(extra)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
