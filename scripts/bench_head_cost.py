@@ -7,7 +7,8 @@ vocabulary. Times one-token steps on a cache already holding ``--context`` entri
 ``--repeats`` after a compile run) and prints each head's cost per drafted token as a
 fraction of the target's step; ``fuse`` (once per verified target position, not per drafted
 token) is timed apart. The config is the cached asset's (``--target``) if it is in the asset
-cache, else the built-in Qwen2.5-1.5B shape; ``--tiny`` runs a tiny config (a sanity run).
+cache, else its kept shape in ``scripts/shapes/`` (the default models' ``config.json``);
+``--tiny`` runs a tiny config (a sanity run).
 
 Example::
 
@@ -31,21 +32,8 @@ from flax import nnx
 from jaxcert import models
 from jaxcert.base import assets
 
-# Qwen2.5(-Coder)-1.5B(-Instruct): the shape of the default asset when it is not cached.
-QWEN25_1P5B = models.ModelConfig(
-    architecture="qwen2",
-    vocab_size=151_936,
-    hidden_size=1536,
-    intermediate_size=8960,
-    num_layers=28,
-    num_heads=12,
-    num_kv_heads=2,
-    head_dim=128,
-    rope_theta=1_000_000.0,
-    rms_norm_eps=1e-6,
-    qkv_bias=True,
-    tie_embeddings=True,
-)
+# The default models' shapes (config.json alone), for a machine where they are not cached.
+SHAPES = pathlib.Path(__file__).resolve().parent / "shapes"
 TINY = models.ModelConfig(
     architecture="qwen2",
     vocab_size=512,
@@ -60,13 +48,20 @@ TINY = models.ModelConfig(
 
 
 def target_config(name: str, tiny: bool) -> tuple[models.ModelConfig, str]:
-    """``(config, where it came from)``: tiny, the cached asset's, or the built-in shape."""
+    """``(config, where it came from)``: tiny, the cached asset's, or its kept shape.
+
+    Raises:
+      SystemExit: ``name`` is neither cached nor kept in ``scripts/shapes/``.
+    """
     if tiny:
         return TINY, "tiny"
     path = assets.cached_path(name) if name in assets.ASSETS else None
     if path is not None:
         return models.read_config(path), f"asset {name}"
-    return QWEN25_1P5B, "built-in Qwen2.5-1.5B shape"
+    if (SHAPES / name / "config.json").is_file():
+        return models.read_config(SHAPES / name), f"kept shape {name}"
+    kept = ", ".join(sorted(p.name for p in SHAPES.iterdir() if p.is_dir()))
+    raise SystemExit(f"--target {name!r}: not cached and no kept shape (kept: {kept})")
 
 
 def _median_ms(fn, *args, repeats: int, **kw) -> float:

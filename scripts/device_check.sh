@@ -22,6 +22,17 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 SECTIONS=${*:-certify tests sharding decode}
 want() { [[ " $SECTIONS " == *" $1 "* ]]; }
+# pytest on the GPU: from a copy of tests/ (from the repository root, ./jaxcert would shadow
+# the installed package, whose jaxcert.models comes from models/), with none of the suite's
+# CPU-only XLA flags (JAXCERT_TEST_XLA_FLAGS=0: a GPU build of XLA aborts on them).
+# Usage: gpu_pytest SECONDS TEST_FILE...
+gpu_pytest() {
+  local limit=$1
+  shift
+  rm -rf /tmp/jaxcert-tests && mkdir -p /tmp/jaxcert-tests && cp -r tests /tmp/jaxcert-tests/
+  (cd /tmp/jaxcert-tests && JAXCERT_TEST_XLA_FLAGS=0 timeout "$limit" python3 -m pytest -q -x \
+    -p no:cacheprovider "$@" 2>&1)
+}
 if [ -n "${WHEELS:-}" ]; then
   python3 -m pip install -q --no-deps --no-index --target /tmp/jaxcert-site "$WHEELS"/*.whl \
     > "$OUT/wheels.log" 2>&1 || { cat "$OUT/wheels.log"; exit 1; }
@@ -43,9 +54,8 @@ python3 scripts/bench_certify.py --batch 4096 --dtype bfloat16 --repeats 10 --nu
 fi
 if want tests; then
 echo "== solver tests on the GPU"
-timeout 240 python3 -m pytest -q -x -p no:cacheprovider -o addopts="" \
-  tests/test_jit_agreement.py tests/test_losses.py tests/test_bounds.py \
-  tests/test_certificate.py 2>&1 | tail -15 | tee "$OUT/tests_gpu.txt"
+gpu_pytest 240 tests/test_jit_agreement.py tests/test_losses.py tests/test_bounds.py \
+  tests/test_certificate.py | tail -15 | tee "$OUT/tests_gpu.txt"
 
 fi
 if want sharding; then
@@ -63,10 +73,6 @@ echo "== draft head cost (float32, batch 1)"
 python3 scripts/bench_head_cost.py --json "$OUT/head_cost_gpu.json" 2>&1 \
   | tee "$OUT/head_cost_gpu.txt"
 echo "== decoder tests on the GPU (n-gram drafting, goodput)"
-# From a copy of the tests: run from the repository root, ./jaxcert would shadow the
-# installed package (whose jaxcert.models comes from models/).
-rm -rf /tmp/jaxcert-tests && mkdir -p /tmp/jaxcert-tests && cp -r tests /tmp/jaxcert-tests/
-(cd /tmp/jaxcert-tests && JAXCERT_TEST_XLA_FLAGS=0 timeout 300 python3 -m pytest -q -x -p no:cacheprovider \
-  tests/decoding/test_ngram.py tests/decoding/test_goodput.py 2>&1 | tail -8) \
+gpu_pytest 300 tests/decoding/test_ngram.py tests/decoding/test_goodput.py | tail -8 \
   | tee "$OUT/tests_decode_gpu.txt"
 fi

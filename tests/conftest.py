@@ -20,7 +20,7 @@ for folder in (_HERE, _HERE / "models"):
 # tests/decoding takes 209 s instead of 354 s). Same semantics; JAXCERT_TEST_XLA_OPT=1 keeps
 # XLA's defaults. Set before jax is imported; subprocesses
 # inherit it (tests that add device-count flags append to it).
-# JAXCERT_TEST_XLA_FLAGS=0 adds no flag at all: on an accelerator machine (the decoder tests
+# JAXCERT_TEST_XLA_FLAGS=0 adds no flag at all: on an accelerator machine (the GPU tests
 # of scripts/device_check.sh), whose XLA may reject these CPU flags and abort the process.
 _FLAGS = os.environ.get("JAXCERT_TEST_XLA_FLAGS") != "0"
 if _FLAGS and os.environ.get("JAXCERT_TEST_XLA_OPT") != "1":

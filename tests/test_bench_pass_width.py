@@ -1,5 +1,6 @@
 """scripts/bench_pass_width.py --random-weights: a model's passes timed from its config alone
-(no weights read), and the shapes of the default models kept in scripts/shapes/."""
+(no weights read), and the shapes of the default models kept in scripts/shapes/ (which
+scripts/bench_head_cost.py falls back to)."""
 
 import json
 import shutil
@@ -87,3 +88,14 @@ def test_bad_options_are_named(extra, message, capsys):
         load_script("bench_pass_width").main(extra)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_head_cost_falls_back_to_the_kept_shape(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXCERT_CACHE", str(tmp_path))  # nothing cached
+    head_cost = load_script("bench_head_cost")
+    name = "qwen2.5-coder-1.5b-instruct"
+    config, source = head_cost.target_config(name, False)
+    assert config == models.read_config(SHAPES / name)
+    assert source == f"kept shape {name}"
+    with pytest.raises(SystemExit, match="'smollm2-135m-instruct': not cached and no kept shape"):
+        head_cost.target_config("smollm2-135m-instruct", False)
