@@ -2,6 +2,7 @@
 recomputation, the window loss against the full-vocabulary KL and TV, and resumable
 training (tiny target)."""
 
+import dataclasses
 import re
 
 import jax
@@ -280,3 +281,188 @@ def test_summary_pools_seeds_and_the_decoded_ones_only():
     assert tv["diff:T0_tokens_per_round"][0] == pytest.approx(0.2)
     table = head_recipe.results_table(summary)
     assert "-1.0000 [-1.0000, -1.0000]*" in table and "decoded_seeds" not in table
+
+
+# Greedy continuations as training text: generated in chunks, streamed to a cache, resumed.
+
+GREEDY_LENGTH = 64
+
+
+@pytest.fixture(scope="module")
+def greedy_target(tmp_path_factory):
+    from tiny_lm import save_tiny_checkpoint
+
+    from jaxcert import models
+
+    return models.load(str(save_tiny_checkpoint(tmp_path_factory.mktemp("greedy") / "t")))
+
+
+def _greedy_prompts():
+    # Templated: 25, 23, 36 (over half of 64 tokens: left out), 24, 22, 21 tokens; "p1" twice.
+    texts = [("p0", "an otter"), ("p1", "a, b?"), ("long", "the cat sat on the mat."),
+             ("p1", "the cat"), ("p3", "he is"), ("p4", "a b")]  # fmt: skip
+    return [Prompt(i, t) for i, t in texts]
+
+
+GREEDY_KEYS = ["p0", "p1", "p1#1", "p3", "p4"]  # the fitting prompts, in order
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def _count_generations(monkeypatch, fail_at=None):
+    """Records the prompt ids of every call of `features.greedy_continuations`; the call
+    number ``fail_at`` (1-based) raises instead, like a run stopped there."""
+    from jaxcert.training import features
+
+    real = features.greedy_continuations
+    calls = []
+    made = iter(range(1, 1_000))  # call numbers, whatever the test clears from `calls`
+
+    def counted(lm, prompt_set, **kw):
+        calls.append([p.id for p in prompt_set])
+        if next(made) == fail_at:
+            raise _Interrupted
+        return real(lm, prompt_set, **kw)
+
+    monkeypatch.setattr(features, "greedy_continuations", counted)
+    return calls
+
+
+def _greedy(target, path=None, **kw):
+    return head_data.greedy_sequences(
+        target, _greedy_prompts(), length=GREEDY_LENGTH, batch_size=2, chunk=2, cache=path, **kw
+    )
+
+
+@pytest.fixture(scope="module")
+def greedy_whole(greedy_target):
+    """An uninterrupted run without a cache."""
+    return _greedy(greedy_target)
+
+
+def test_greedy_sequences_are_prompt_then_continuation(greedy_target, greedy_whole):
+    from jaxcert.base import prompts as prompts_lib
+
+    tok = greedy_target.tokenizer
+    ps = _greedy_prompts()
+    assert [p.id for p in head_data.unique_ids(ps)] == ["p0", "p1", "long", "p1#1", "p3", "p4"]
+    fit = head_data.fitting_prompts(tok, head_data.unique_ids(ps), length=GREEDY_LENGTH)
+    assert [p.id for p in fit] == GREEDY_KEYS
+    assert [s.id for s in greedy_whole] == GREEDY_KEYS
+    encoded = prompts_lib.encode_prompts(tok, [p for p in ps if p.id != "long"])
+    eos = set(greedy_target.eos_ids)
+    for s, ids in zip(greedy_whole, encoded, strict=True):
+        assert s.start == len(ids) and list(s.tokens[: s.start]) == ids
+        # Cut at the length, or ended by the target's end-of-turn token.
+        assert len(s.tokens) == GREEDY_LENGTH or s.tokens[-1] in eos
+        assert len(s.tokens) > s.start
+
+
+def test_greedy_sequences_resume_from_the_cache(greedy_target, greedy_whole, tmp_path, monkeypatch):
+    import json
+
+    path = tmp_path / "out" / "greedy.jsonl"
+    calls = _count_generations(monkeypatch, fail_at=2)
+    with pytest.raises(_Interrupted):
+        _greedy(greedy_target, path)
+    assert calls == [["p0", "p1"], ["p1#1", "p3"]]
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert lines[0] == {"target": str(greedy_target.path), "length": GREEDY_LENGTH}
+    assert [r["key"] for r in lines[1:]] == ["p0", "p1"]  # the first chunk, on disk
+    for r, s in zip(lines[1:], greedy_whole, strict=False):
+        assert r["prompt"] + r["generated"] == list(s.tokens) and len(r["prompt"]) == s.start
+
+    calls.clear()
+    reported = []
+    resumed = _greedy(greedy_target, path, progress=lambda *a: reported.append(a))
+    assert calls == [["p1#1", "p3"], ["p4"]]  # only the missing prompts
+    assert resumed == greedy_whole
+    trained = [len(s.tokens) - s.start for s in greedy_whole]
+    # First the cached positions, then after each chunk; no goal without max_positions.
+    assert reported == [(sum(trained[:2]), -1), (sum(trained[:4]), -1), (sum(trained), -1)]
+    assert [json.loads(line)["key"] for line in path.read_text().splitlines()[1:]] == GREEDY_KEYS
+
+    calls.clear()
+    assert _greedy(greedy_target, path) == greedy_whole and calls == []  # nothing to generate
+
+    # max_positions: generation stops after the chunk that reaches it.
+    calls.clear()
+    part = _greedy(greedy_target, tmp_path / "part.jsonl", max_positions=trained[0])
+    assert calls == [["p0", "p1"]] and part == greedy_whole[:2]
+    # The cached continuations are always used, past the goal too.
+    assert _greedy(greedy_target, path, max_positions=1) == greedy_whole and calls == [["p0", "p1"]]
+
+
+def test_greedy_cache_drops_a_torn_last_line(greedy_target, greedy_whole, tmp_path, monkeypatch):
+    path = tmp_path / "greedy.jsonl"
+    _greedy(greedy_target, path)
+    good = path.read_bytes()
+    last = good.rstrip(b"\n").rsplit(b"\n", 1)[1] + b"\n"  # p4's line, a chunk of its own
+    path.write_bytes(good[: -len(last)] + last[:20])  # a crash in the middle of that write
+    calls = _count_generations(monkeypatch)
+    assert _greedy(greedy_target, path) == greedy_whole
+    assert calls == [["p4"]]
+    assert path.read_bytes() == good
+
+
+def test_greedy_cache_refuses_what_it_cannot_reuse(greedy_target, tmp_path, monkeypatch):
+    import json
+
+    path = tmp_path / "greedy.jsonl"
+    _greedy(greedy_target, path)
+    lines = path.read_text().splitlines(keepends=True)
+    calls = _count_generations(monkeypatch)
+
+    def refused(text, match, **kw):
+        path.write_text(text)
+        with pytest.raises(ValueError, match=match):
+            _greedy(greedy_target, path, **kw)
+        assert path.read_text() == text  # left as it was
+        assert calls == []
+
+    header = json.dumps({"target": "/other/model", "length": GREEDY_LENGTH}) + "\n"
+    refused(header + "".join(lines[1:]),
+            r"holds greedy continuations of another run \(target /other/model, length 64\), "
+            rf"not of target {re.escape(str(greedy_target.path))}, length 64")  # fmt: skip
+    path.write_text("".join(lines))
+    with pytest.raises(
+        ValueError, match=r"another run \(target .*, length 64\), not of .*, length 80"
+    ):
+        head_data.greedy_sequences(greedy_target, _greedy_prompts(), length=80, cache=path)
+    assert path.read_text() == "".join(lines) and calls == []
+    record = json.loads(lines[2])
+    assert record["key"] == "p1"
+    changed = json.dumps(record | {"prompt": record["prompt"][:-1]}) + "\n"  # another template
+    refused("".join(lines[:2]) + changed + "".join(lines[3:]),
+            "prompt 'p1' was cached with other template tokens")  # fmt: skip
+    garbage = "".join(lines[:2]) + "not a continuation\n" + "".join(lines[2:])
+    refused(garbage, "line 3 is not a cached continuation")
+    refused(garbage + '{"key": "p9", "prom', "line 3 is not a cached continuation")  # and torn
+    refused('{"target": 1}\n' + "".join(lines[1:]), "line 1 is not a cached continuation header")
+
+
+def test_head_recipe_holds_out_the_last_fitting_prompts_generated_first(
+    greedy_target, tmp_path, monkeypatch
+):
+    from jaxcert.training import head_recipe
+
+    settings = head_recipe.HeadSettings(data="greedy", length=GREEDY_LENGTH, heldout=2, positions=1)
+    calls = _count_generations(monkeypatch)
+    seqs = head_recipe.sequences(
+        greedy_target, _greedy_prompts(), settings, cache=tmp_path / "greedy.jsonl"
+    )
+    # Held out first (whole), then training prompts in order until 1 position: one chunk.
+    assert calls == [["p3", "p4"], ["p0", "p1", "p1#1"]]
+    train, held = head_recipe.split_sequences(seqs, settings.heldout)
+    assert [s.id for s in train] == ["p0", "p1", "p1#1"] and [s.id for s in held] == ["p3", "p4"]
+    calls.clear()
+    again = head_recipe.sequences(
+        greedy_target, _greedy_prompts(), settings, cache=tmp_path / "greedy.jsonl"
+    )
+    assert again == seqs and calls == []
+    too_many = dataclasses.replace(settings, heldout=5)
+    with pytest.raises(ValueError, match=r"5 prompts fit 64 tokens: too few to hold out 5 "
+                                         r"\(raise --max-prompts"):  # fmt: skip
+        head_recipe.sequences(greedy_target, _greedy_prompts(), too_many)

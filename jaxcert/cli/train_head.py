@@ -99,6 +99,13 @@ def log(message: str) -> None:
     print(f"[jaxcert] {message}", file=sys.stderr)
 
 
+def _greedy_progress(done: int, goal: int) -> None:
+    """Progress of the greedy continuations (``--data greedy``); the held-out prompts
+    (``goal == -1``) come first."""
+    of = f" / {goal:,}" if goal > 0 else " held-out"
+    log(f"greedy continuations: {done:,}{of} positions")
+
+
 def _seeds(spec: str) -> tuple[int, ...]:
     try:
         seeds = tuple(int(s) for s in spec.split(",") if s.strip())
@@ -149,9 +156,10 @@ def run(args: argparse.Namespace) -> int:
     prompt_set = load_prompt_set(args.prompts or "sharegpt", max_prompts=args.max_prompts)
     target = load_model("--target", args.target or DEFAULT_DECODE_TARGET, dtype=jnp.float32)
     settings = _settings(args, target.config.num_layers, seeds)
-    train, held = head_recipe.split_sequences(
-        head_recipe.sequences(target, prompt_set, settings), settings.heldout
+    seqs = head_recipe.sequences(
+        target, prompt_set, settings, cache=out / "greedy.jsonl", progress=_greedy_progress
     )
+    train, held = head_recipe.split_sequences(seqs, settings.heldout)
     store, heldout = head_recipe.write_stores(target, train, held, settings, out, log=log)
     decode_prompts = head_recipe.decode_prompt_ids(target, args.decode_source, args.decode_prompts)
     rows = head_recipe.compare_heads(

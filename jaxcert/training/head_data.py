@@ -32,7 +32,8 @@ complete shard (:func:`write_store` on the same folder, sequences and spec); a d
 spec or a changed sequence list is refused, not mixed in.
 
 Sequences come from :func:`reply_sequences` (a prompt set's own replies, e.g. ShareGPT's
-assistant turns) or :func:`greedy_sequences` (the target's greedy continuations).
+assistant turns) or :func:`greedy_sequences` (the target's greedy continuations, generated
+in chunks and streamed to a JSON-lines cache that a later run resumes from).
 """
 
 from __future__ import annotations
@@ -63,9 +64,11 @@ __all__ = [
     "Store",
     "StoreSpec",
     "TrainingSequence",
+    "fitting_prompts",
     "greedy_sequences",
     "read_store",
     "reply_sequences",
+    "unique_ids",
     "write_store",
 ]
 
@@ -214,35 +217,221 @@ def reply_sequences(
     return out
 
 
+def unique_ids(prompt_set: Sequence[prompts.Prompt]) -> list[prompts.Prompt]:
+    """The prompts in order, a repeated id made unique as ``id#k`` (its ``k``-th repeat).
+
+    The ids key :func:`greedy_sequences`' cache; a prompt set whose ids are unique is
+    returned unchanged.
+    """
+    used: set[str] = set()
+    out = []
+    for prompt in prompt_set:
+        key, k = prompt.id, 0
+        while key in used:
+            k += 1
+            key = f"{prompt.id}#{k}"
+        used.add(key)
+        out.append(prompt if key == prompt.id else dataclasses.replace(prompt, id=key))
+    return out
+
+
+def _fitting(
+    tokenizer, prompt_set: Sequence[prompts.Prompt], length: int
+) -> list[tuple[prompts.Prompt, list[int]]]:
+    check_int("length", length, 2)
+    encoded = prompts.encode_prompts(tokenizer, prompt_set)
+    return [
+        (p, [int(x) for x in ids])
+        for p, ids in zip(prompt_set, encoded, strict=True)
+        if len(ids) <= length // 2
+    ]
+
+
+def fitting_prompts(
+    tokenizer, prompt_set: Sequence[prompts.Prompt], *, length: int
+) -> list[prompts.Prompt]:
+    """The prompts, in order, whose chat-templated form (default system prompt) takes at
+    most half of ``length`` tokens: the rest of the sequence is left for the reply."""
+    return [p for p, _ in _fitting(tokenizer, prompt_set, length)]
+
+
 def greedy_sequences(
     target_lm: LoadedModel,
     prompt_set: Sequence[prompts.Prompt],
     *,
     length: int,
     batch_size: int = 8,
+    max_positions: int | None = None,
+    cache: str | os.PathLike | None = None,
+    chunk: int | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> list[TrainingSequence]:
     """Prompt (chat template) + the target's greedy continuation, up to ``length`` tokens.
 
-    Prompts whose templated form takes more than half of ``length`` are left out.
-    """
-    from jaxcert.training.features import greedy_continuations
+    Only :func:`fitting_prompts` are used, in prompt order, a repeated id keyed ``id#k``
+    (:func:`unique_ids`; also the sequence's id). Continuations are generated ``chunk``
+    prompts at a time, and generation stops once the sequences hold ``max_positions``
+    trained positions (the reply's tokens); cached continuations are always used, so the
+    sequences are those of every prompt up to the first uncached one past the goal.
 
-    check_int("length", length, 2)
-    encoded = prompts.encode_prompts(target_lm.tokenizer, prompt_set)
-    index = [i for i, ids in enumerate(encoded) if len(ids) <= length // 2]
-    kept = [prompt_set[i] for i in index]
-    steps = length - min(len(encoded[i]) for i in index) if index else 1
-    conts = greedy_continuations(
-        target_lm, kept, steps=steps, batch_size=batch_size, progress=progress
-    )
-    out = []
-    for j, generated in conts.generated.items():
-        ids = conts.prompt_ids[j]
-        tokens = (list(ids) + list(generated))[:length]
+    With ``cache``, a JSON-lines file, each chunk is appended to it (flushed and synced to
+    disk) as soon as it is generated: a header line ``{"target": ..., "length": ...}``, then
+    one line per prompt, ``{"key": id, "prompt": [template token ids], "generated": [ids]}``.
+    A later call reuses what the file holds and generates from the first uncached prompt on.
+    A torn last line (a crash in the middle of a write) is dropped from the file.
+
+    Args:
+      target_lm: the target.
+      prompt_set: the prompts, in order.
+      length: tokens per sequence (prompt + continuation).
+      batch_size: prompts per generation batch.
+      max_positions: stop generating after this many trained positions (``None``: every
+        prompt).
+      cache: the continuations' file (created if missing).
+      chunk: prompts generated between two writes of the cache (default ``4 * batch_size``).
+      progress: called as ``progress(positions_done, positions_goal)`` once before the first
+        generated chunk (the positions of the cached continuations before it) and after each
+        (``positions_goal`` is ``-1`` without ``max_positions``).
+
+    Raises:
+      ValueError: a cache of another target or length; a cached prompt whose template
+        tokens differ from its tokens now; a line of the cache that is not a cached
+        continuation (other than a torn last line).
+    """
+    check_int("batch_size", batch_size)
+    chunk = 4 * batch_size if chunk is None else chunk
+    check_int("chunk", chunk)
+    kept = _fitting(target_lm.tokenizer, unique_ids(prompt_set), length)
+    target = str(target_lm.path)
+    path = None if cache is None else pathlib.Path(cache)
+    cached = {} if path is None else _read_greedy_cache(path, target, length)
+    for prompt, ids in kept:
+        if prompt.id in cached and cached[prompt.id][0] != ids:
+            raise ValueError(
+                f"{path}: prompt {prompt.id!r} was cached with other template tokens (another "
+                "tokenizer or chat template); move the file away or choose another folder"
+            )
+    goal = -1 if max_positions is None else max_positions
+    out: list[TrainingSequence] = []
+    positions = 0
+    started = False
+    for i, (prompt, ids) in enumerate(kept):
+        if prompt.id not in cached:
+            if max_positions is not None and positions >= max_positions:
+                break
+            if progress is not None and not started:
+                progress(positions, goal)
+            started = True
+            todo = [(p, p_ids) for p, p_ids in kept[i:] if p.id not in cached][:chunk]
+            new = _generate(target_lm, todo, length, batch_size)
+            if path is not None:
+                _append_greedy_cache(path, target, length, new)
+            cached.update(new)
+            if progress is not None:
+                positions_new = sum(len(g) for _, g in new.values())
+                progress(positions + positions_new, goal)
+        generated = cached[prompt.id][1]
+        tokens = (ids + generated)[:length]
         if len(tokens) > len(ids):
-            out.append(TrainingSequence(kept[j].id, tuple(tokens), len(ids)))
+            out.append(TrainingSequence(prompt.id, tuple(tokens), len(ids)))
+            positions += len(tokens) - len(ids)
     return out
+
+
+def _generate(
+    target_lm: LoadedModel,
+    todo: Sequence[tuple[prompts.Prompt, list[int]]],
+    length: int,
+    batch_size: int,
+) -> dict[str, tuple[list[int], list[int]]]:
+    """``{id: (template token ids, continuation cut at length)}`` of the prompts ``todo``."""
+    from jaxcert.training import features
+
+    steps = length - min(len(ids) for _, ids in todo)
+    conts = features.greedy_continuations(
+        target_lm, [p for p, _ in todo], steps=steps, batch_size=batch_size
+    )
+    return {
+        p.id: (ids, [int(x) for x in conts.generated.get(j, [])][: length - len(ids)])
+        for j, (p, ids) in enumerate(todo)
+    }
+
+
+def _cache_entry(line: bytes) -> tuple[str, list[int], list[int]] | None:
+    """``(key, prompt ids, generated ids)`` of a cache line; ``None`` if it is not one."""
+    try:
+        record = json.loads(line)
+    except ValueError:  # JSONDecodeError, UnicodeDecodeError
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("key"), str):
+        return None
+    ids, generated = record.get("prompt"), record.get("generated")
+    if not isinstance(ids, list) or not isinstance(generated, list):
+        return None
+    if not all(type(x) is int for x in ids + generated):
+        return None
+    return record["key"], ids, generated
+
+
+def _read_greedy_cache(
+    path: pathlib.Path, target: str, length: int
+) -> dict[str, tuple[list[int], list[int]]]:
+    """The continuations of a :func:`greedy_sequences` cache, ``{key: (prompt ids,
+    generated ids)}`` (``{}`` without the file). A torn last line (no final newline: an
+    interrupted write) is cut from the file, once every other line has been read.
+
+    Raises:
+      ValueError: a header of another target or length; a line that is not a header
+        (line 1) or a cached continuation.
+    """
+    if not path.is_file():
+        return {}
+    data = path.read_bytes()
+    *lines, torn = data.split(b"\n")  # ``torn``: what follows the last newline
+    out: dict[str, tuple[list[int], list[int]]] = {}
+    if lines:
+        try:
+            header = json.loads(lines[0])
+        except ValueError:
+            header = None
+        if not isinstance(header, dict) or not {"target", "length"} <= header.keys():
+            raise ValueError(f"{path}: line 1 is not a cached continuation header")
+        if (header["target"], header["length"]) != (target, length):
+            raise ValueError(
+                f"{path} holds greedy continuations of another run (target "
+                f"{header['target']}, length {header['length']}), not of target {target}, "
+                f"length {length}; move it away or choose another folder"
+            )
+    for n, line in enumerate(lines[1:], start=2):
+        entry = _cache_entry(line)
+        if entry is None:
+            raise ValueError(f"{path}: line {n} is not a cached continuation")
+        out[entry[0]] = (entry[1], entry[2])
+    if torn:
+        with open(path, "r+b") as f:
+            f.truncate(len(data) - len(torn))
+            os.fsync(f.fileno())
+    return out
+
+
+def _append_greedy_cache(
+    path: pathlib.Path,
+    target: str,
+    length: int,
+    entries: dict[str, tuple[list[int], list[int]]],
+) -> None:
+    """Appends ``entries`` to a :func:`greedy_sequences` cache (the header first, if the
+    file is new or empty), then flushes and syncs it to disk."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = []
+    if not path.is_file() or path.stat().st_size == 0:
+        lines.append(json.dumps({"target": target, "length": length}))
+    for key, (ids, generated) in entries.items():
+        lines.append(json.dumps({"key": key, "prompt": ids, "generated": generated}))
+    with open(path, "a", encoding="utf-8") as f:
+        f.write("".join(line + "\n" for line in lines))
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _digest(sequences: Sequence[TrainingSequence]) -> str:

@@ -3,7 +3,8 @@
 The command line calls these in order (``docs/training.md``, "Training a draft head at
 scale")::
 
-  train, held = split_sequences(sequences(target, settings), settings.heldout)
+  seqs = sequences(target, prompt_set, settings, cache=out / "greedy.jsonl")
+  train, held = split_sequences(seqs, settings.heldout)
   store = head_data.write_store(target.model, train, out / "store", spec, max_positions=...)
   heldout = head_data.write_store(target.model, held, out / "heldout", heldout_spec)
   vocab = draft_vocabulary(store.load(), settings.draft_vocab)
@@ -11,7 +12,8 @@ scale")::
       head = train_one(target.model, records, objective, seed, settings, vocab, out / name)
       rows.append(evaluate_head(head, heldout_records, ...))
 
-Every phase resumes: the two stores skip their complete shards, each training run continues
+Every phase resumes: greedy continuations (``--data greedy``) are read back from
+``greedy.jsonl``, the two stores skip their complete shards, each training run continues
 from its last checkpoint, and finished heads (``head/`` with ``done.json``) are evaluated
 without retraining.
 """
@@ -110,13 +112,23 @@ def sequences(
     prompt_set: Sequence[prompts.Prompt],
     settings: HeadSettings,
     *,
+    cache: pathlib.Path | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> list[head_data.TrainingSequence]:
     """Training sequences of ``prompt_set`` for ``settings.data`` (chat template, default
-    system prompt; cut at ``settings.length``).
+    system prompt; cut at ``settings.length``), the ``settings.heldout`` held-out ones last
+    (:func:`split_sequences` parts them).
+
+    With ``'greedy'`` (:func:`head_data.greedy_sequences`) the held-out sequences are the
+    continuations of the last ``settings.heldout`` prompts that fit
+    (:func:`head_data.fitting_prompts`), generated first; the training ones are those of
+    the fitting prompts before them, in order, until ``settings.positions`` trained
+    positions. ``cache`` (the continuations' file) and ``progress`` are ``greedy_sequences``'
+    (``'greedy'`` only).
 
     Raises:
-      ValueError: ``'replies'`` with a prompt set that has no replies.
+      ValueError: ``'replies'`` with a prompt set that has no replies; ``'greedy'`` with no
+        more than ``settings.heldout`` fitting prompts; as ``greedy_sequences``.
     """
     if settings.data == "replies":
         if not any(p.response is not None for p in prompt_set):
@@ -125,7 +137,22 @@ def sequences(
         return head_data.reply_sequences(
             target.tokenizer, prompt_set, length=settings.length, end_id=end
         )
-    return head_data.greedy_sequences(target, prompt_set, length=settings.length, progress=progress)
+    keyed = head_data.unique_ids(prompt_set)  # one key per prompt across both calls
+    fit = head_data.fitting_prompts(target.tokenizer, keyed, length=settings.length)
+    n_train = len(fit) - settings.heldout
+    if n_train < 1:
+        raise ValueError(
+            f"{len(fit)} prompts fit {settings.length} tokens: too few to hold out "
+            f"{settings.heldout} (raise --max-prompts or lower --heldout-sequences)"
+        )
+    kw: dict[str, Any] = {"length": settings.length, "cache": cache, "progress": progress}
+    held = head_data.greedy_sequences(target, fit[n_train:], **kw)
+    if len(held) != settings.heldout:  # a prompt without a continuation
+        raise ValueError(f"{settings.heldout - len(held)} held-out prompts have no continuation")
+    train = head_data.greedy_sequences(
+        target, fit[:n_train], max_positions=settings.positions, **kw
+    )
+    return train + held
 
 
 def split_sequences(
