@@ -525,14 +525,19 @@ def speculative_decode(
         # that overstates it would otherwise keep the policy drafting, unchecked
         # (docs/goodput.md, "Measuring the plain step too").
         probe = hand_off and tracker is not None and bool(chunks) and not tracker.observed["step"]
+        # A program's first execution is slower than the rest: its call is not a cost the
+        # decode will pay again, so the tracker leaves it out (docs/goodput.md, "Costs
+        # that correct themselves").
         if skip or probe:
+            first = programs.first_execution(plan_program, steps_program)
             state, ran = _plain_steps(plain, t_params, state, static, chunks, losing=skip)
-            if tracker is not None:
+            if tracker is not None and not first:
                 tracker.observe_steps(time.perf_counter() - t0, ran)
         else:
+            first = programs.first_execution(run, *((plan_program,) if hand_off else ()))
             state, stats = run(t_params, d_params, state, policy_params)
             chunks.append(jax.device_get(stats))
-            if tracker is not None:
+            if tracker is not None and not first:
                 active = chunks[-1].active
                 depths = np.where(active, chunks[-1].depth, 0).max(axis=1)[active.any(axis=1)]
                 tracker.observe_rounds(time.perf_counter() - t0, depths)

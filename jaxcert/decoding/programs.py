@@ -38,6 +38,10 @@ class Programs:
     Attributes:
       compiled: programs compiled by this object so far (evicted ones included).
       compiler_options: the options (a dict; may be changed between calls).
+
+    A program's first execution is slower than the ones after it (on 2 CPU cores a
+    1.5B-target round loop's first call of 8 rounds took 2.6 s more than the next ones):
+    :meth:`first_execution` tells a caller that times its calls which ones to leave out.
     """
 
     def __init__(self, max_programs: int = 48, compiler_options: Mapping | None = None):
@@ -47,6 +51,7 @@ class Programs:
         self.compiler_options = dict(compiler_options or {})
         self.compiled = 0
         self._programs: collections.OrderedDict = collections.OrderedDict()
+        self._unrun: set[int] = set()  # ids of programs compiled here and not yet run
 
     def __len__(self) -> int:
         return len(self._programs)
@@ -58,6 +63,7 @@ class Programs:
     def clear(self) -> None:
         """Frees every compiled program (the next call compiles again)."""
         self._programs.clear()
+        self._unrun.clear()
 
     def compile(
         self, fn, args: tuple, static: dict, on_compile: Callable[[str], None] | None = None
@@ -78,11 +84,20 @@ class Programs:
                 on_compile(fn.__name__)
             lowered = fn.lower(*args, **static)
             self._programs[key] = lowered.compile(compiler_options=dict(options) or None)
+            self._unrun.add(id(self._programs[key]))
             self.compiled += 1
             while len(self._programs) > self.max_programs:
-                self._programs.popitem(last=False)
+                self._unrun.discard(id(self._programs.popitem(last=False)[1]))
         self._programs.move_to_end(key)
         return self._programs[key]
+
+    def first_execution(self, *programs) -> bool:
+        """Whether any of ``programs`` (as :meth:`compile` returned them) is about to run
+        for the first time; each counts as run from then on. A program this object did not
+        compile counts as run."""
+        fresh = [id(p) for p in programs if id(p) in self._unrun]
+        self._unrun.difference_update(fresh)
+        return bool(fresh)
 
 
 @functools.cache

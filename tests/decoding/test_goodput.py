@@ -6,6 +6,7 @@ the cost model's calibration file."""
 import dataclasses
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -581,6 +582,20 @@ def test_the_cost_tracker_refuses_bad_settings(kw):
         costs_lib.CostTracker(base, **kw)
 
 
+def test_a_programs_first_execution_is_reported_once():
+    programs = decoding.Programs()
+    square = jax.jit(lambda x: x * x)
+    prog = programs.compile(square, (jnp.zeros(3),), {})
+    other = programs.compile(square, (jnp.zeros(4),), {})
+    assert programs.compile(square, (jnp.zeros(3),), {}) is prog  # cached, still unrun
+    assert programs.first_execution(prog) and not programs.first_execution(prog)
+    assert programs.first_execution(prog, other)  # one of them is new
+    assert not programs.first_execution(prog, other) and not programs.first_execution(object())
+    programs.clear()
+    again = programs.compile(square, (jnp.zeros(3),), {})
+    assert again is not prog and programs.first_execution(again)
+
+
 def test_a_measured_overhead_turns_drafting_into_skipping():
     """Calibrated passes say drafting pays at a rate of 0.5; once the tracker has seen
     rounds cost 0.8 s more than their passes (and steps what they should), it skips."""
@@ -669,8 +684,9 @@ def test_the_plain_step_is_measured_once_when_the_decode_never_skips(pair, want,
     """Costs calibrated here (CHEAP: drafting looks far better than a plain step) are
     corrected from timed calls, and a plain step's cost is one of them: after the first
     call of the round loop, one call of plain steps runs to time them (a probe, which does
-    not count as a losing measurement, so drafting goes on after it). Costs the caller
-    gives are not corrected, so nothing is probed. Both stay exact."""
+    not count as a losing measurement, so drafting goes on after it). A program's first
+    execution is not timed, so with programs never run before the probe runs twice. Costs
+    the caller gives are not corrected, so nothing is probed. All stay exact."""
     from jaxcert.decoding import api
 
     calls = []
@@ -687,19 +703,26 @@ def test_the_plain_step_is_measured_once_when_the_decode_never_skips(pair, want,
         verification="greedy", max_new_tokens=MAX_NEW, max_draft=5, max_skip=2
     )
     policy = decoding.Goodput(beta=0.01, patience=1)
-    for given, probes in ((None, [(False, 2)]), (CHEAP, [])):
+    programs = decoding.Programs()
+    for given, probes in ((None, 2), (None, 1), (CHEAP, 0)):
         calls.clear()
         out = decoding.speculative_decode(
-            *pair, PROMPTS, config=config, policy=policy, prompt_width=WIDTH, costs=given
-        )
+            *pair, PROMPTS, config=config, policy=policy, prompt_width=WIDTH, costs=given,
+            programs=programs,
+        )  # fmt: skip
         for got, ref in zip(out.tokens, want.tokens, strict=True):
             np.testing.assert_array_equal(got, ref)
-        assert [c for c in calls if not c[0]] == probes
+        assert [c for c in calls if not c[0]] == [(False, 2)] * probes
         st = out.stats
         drafted = np.any(st.active & (st.drafted > 0), axis=1)  # [R]
-        if probes:
-            # The first call's rounds (8, all drafting at these costs), then the probe's 2
-            # plain steps, then drafting again: patience=1 would have stopped it otherwise.
+        if probes == 2:
+            # The first call's rounds (8, all drafting at these costs, untimed), then the
+            # probes' plain steps; only the second probe's are timed, and they correct the
+            # plain step's cost while the rounds' is still the calibrated one.
+            assert drafted[:8].all() and not drafted[8:12].any()
+        elif probes:
+            # The first call's rounds, then the probe's 2 plain steps, then drafting again:
+            # patience=1 would have stopped it otherwise.
             assert drafted[:8].all() and not drafted[8:10].any() and drafted[10:].any()
         else:
             assert not calls
@@ -851,9 +874,13 @@ def test_a_decode_starts_from_what_earlier_decodes_drafting_measured(
     np.testing.assert_allclose(kept["greedy"].rounds, rounds / 2)
     np.testing.assert_allclose(kept["greedy"].emitted, 1.5)
     # patience 4 > 3 rows: the skip does not stop measuring, so the speculative decoder
-    # runs; its first round is a plain step, and later rounds measure.
-    path.write_text(json.dumps(dataclasses.replace(SPLIT, drafting={"greedy": losing}).to_json()))
-    out = run(decoding.Goodput(patience=4), programs=programs)
+    # runs; its first round is a plain step, and later rounds measure. (A decode before it
+    # runs the programs once: a program's first execution is not timed, and the plain
+    # steps' timing is what rules drafting back in.)
+    for _ in range(2):
+        prior = dataclasses.replace(SPLIT, drafting={"greedy": losing})
+        path.write_text(json.dumps(prior.to_json()))
+        out = run(decoding.Goodput(patience=4), programs=programs)
     for got, ref in zip(out.tokens, want.tokens, strict=True):
         np.testing.assert_array_equal(got, ref)
     assert programs.of(loop.prefill)
