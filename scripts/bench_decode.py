@@ -225,7 +225,9 @@ def _passes_only(target, drafters, shape, fixed, configs, unit):
         drafter = drafter.for_vocabulary(target.config.vocab_size)  # as speculative_decode
     config = decoding.resolved_config(configs[shape], target, drafter, fixed.policy)
     costs = decoding.calibrate(target, drafter, rows=len(unit), config=config.shape_only())
-    return dataclasses.replace(costs, round_overhead_s=0.0, step_overhead_s=0.0, drafting={})
+    return dataclasses.replace(
+        costs, round_overhead_s=0.0, step_overhead_s=0.0, round_scale=1.0, drafting={}
+    )
 
 
 def _drafter(drafters: dict, shape: str):

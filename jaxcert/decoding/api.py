@@ -514,7 +514,9 @@ def speculative_decode(
         assert costs is not None
         learnt = (costs.round_overhead_s, costs.step_overhead_s)
         tracker = costs_lib.CostTracker(
-            costs.round_costs(static, overhead=False), prior=learnt if any(learnt) else None
+            costs.round_costs(static, overhead=False),
+            prior=learnt if any(learnt) else None,
+            scale=costs.round_scale,
         )
 
     def call(state):

@@ -120,6 +120,9 @@ class PassCosts:
       round_overhead_s, step_overhead_s: seconds a decoder's speculative round (plain
         target step) took beyond its passes, as :class:`CostTracker` learnt them in
         earlier runs (0: not learnt; may be negative).
+      round_scale: the factor on a round's passes that :class:`CostTracker` learnt with
+        ``round_overhead_s`` (a round costs ``round_scale * passes + round_overhead_s``;
+        1: not learnt).
       drafting: ``{mode: PastDrafting}`` what ``goodput``'s drafting produced in earlier
         decodes, by :func:`sampling_mode` (empty: nothing kept).
     """
@@ -129,6 +132,7 @@ class PassCosts:
     drafter_s: float
     round_overhead_s: float = 0.0
     step_overhead_s: float = 0.0
+    round_scale: float = 1.0
     drafting: dict[str, PastDrafting] = dataclasses.field(default_factory=dict)
 
     def target(self, width: int) -> float:
@@ -155,8 +159,9 @@ class PassCosts:
         Entry ``d``: the re-read and ``d - 1`` drafter steps (``d`` steps' worth, the re-read
         usually reads one token), plus the verification pass at the bucket that holds
         :func:`nodes_at_depth` nodes. Entry 0 drafts nothing: re-read plus the narrowest
-        verification width. With ``overhead`` the learnt overheads are added (never
-        below half of the passes' seconds, as :class:`CostTracker` bounds them).
+        verification width. With ``overhead`` the learnt correction is applied (a round:
+        ``round_scale * passes + round_overhead_s``; a plain step: ``+ step_overhead_s``;
+        never below half of the passes' seconds, as :class:`CostTracker` bounds them).
         """
         buckets = config.verify_buckets()
         rounds = []
@@ -164,7 +169,8 @@ class PassCosts:
             nb = next(b for b in buckets if b >= nodes) if nodes <= buckets[-1] else buckets[-1]
             rounds.append(max(d, 1) * self.drafter_s + self.target(nb + 1))
         learnt = (self.round_overhead_s, self.step_overhead_s) if overhead else (0.0, 0.0)
-        return _corrected(np.asarray(rounds), self.target(1), *learnt, floor=0.5)
+        scale = self.round_scale if overhead else 1.0
+        return _corrected(np.asarray(rounds), self.target(1), *learnt, floor=0.5, scale=scale)
 
     def to_json(self) -> dict:
         return {
@@ -174,6 +180,7 @@ class PassCosts:
             "drafter_s": self.drafter_s,
             "round_overhead_s": self.round_overhead_s,
             "step_overhead_s": self.step_overhead_s,
+            "round_scale": self.round_scale,
             "drafting": {
                 mode: {"emitted": past.emitted, "rounds": list(past.rounds)}
                 for mode, past in sorted(self.drafting.items())
@@ -193,6 +200,7 @@ class PassCosts:
                 drafter_s=float(data["drafter_s"]),
                 round_overhead_s=float(data.get("round_overhead_s", 0.0)),
                 step_overhead_s=float(data.get("step_overhead_s", 0.0)),
+                round_scale=float(data.get("round_scale", 1.0)),
                 drafting={
                     str(mode): _past(past) for mode, past in data.get("drafting", {}).items()
                 },
@@ -212,9 +220,12 @@ def _past(data: dict) -> PastDrafting:
     return PastDrafting(values[0], tuple(values[1:]))
 
 
-def _corrected(round_s, skip_s: float, round_o: float, step_o: float, *, floor: float):
-    """:class:`RoundCosts` of passes plus overheads, never below ``floor`` of the passes."""
-    rounds = np.maximum(round_s + round_o, floor * round_s)
+def _corrected(
+    round_s, skip_s: float, round_o: float, step_o: float, *, floor: float, scale: float = 1.0
+):
+    """:class:`RoundCosts` of passes (rounds' times ``scale``) plus overheads, never below
+    ``floor`` of the passes."""
+    rounds = np.maximum(scale * round_s + round_o, floor * round_s)
     skip = max(skip_s + step_o, floor * skip_s)
     return RoundCosts(
         round_s=jnp.asarray(rounds, jnp.float32), skip_s=jnp.asarray(skip, jnp.float32)
@@ -224,24 +235,30 @@ def _corrected(round_s, skip_s: float, round_o: float, step_o: float, *, floor: 
 class CostTracker:
     """Calibrated round costs, corrected by what the decoder's calls really took.
 
-    Every round of a call is assumed to cost its calibrated entry plus one overhead shared
-    by all depths (``round_s[d] + o_round``), and every plain step ``skip_s + o_step``; the
-    overheads are ratio estimates over the calls so far, the past weighted by ``memory``
-    per call:
-
-        o = sum_c memory^(n-c) (seconds_c - predicted_c) / sum_c memory^(n-c) rounds_c
-
-    A corrected cost is never below ``floor`` times its calibrated value (a calibration
-    that overestimates is corrected too, but a noisy call cannot make a pass free). The
+    Every round of a call is modelled as its calibrated passes times a factor ``k`` plus
+    one overhead ``o`` shared by all depths (``k * round_s[d] + o``), and every plain step
+    as ``skip_s + o_step``. Inside the decoder a round has a larger fixed part and a smaller
+    cost per drafted token than passes timed alone (``docs/goodput.md``, "Costs that correct
+    themselves"), so both are fitted. ``k`` is the slope of a least squares fit of
+    ``s_c = o R_c + k P_c`` over the calls so far (call ``c`` of ``R_c`` rounds, calibrated
+    seconds ``P_c``, wall time ``s_c``, weighted ``memory^(n-c) / R_c``: a call's noise
+    grows with its rounds), with a ridge that holds ``k`` at ``scale`` as ``ridge`` rounds
+    at depth 1 would; then ``o`` is the ratio estimate ``sum (s_c - k P_c) / sum R_c``
+    (same weights, with the prior). Calls of one depth mix say nothing about the slope, so
+    ``k`` stays where it was and ``o`` takes all the excess. ``o_step`` is the ratio
+    estimate over the calls of plain steps. A corrected cost is never below ``floor``
+    times its calibrated value (a calibration that overestimates is corrected too, but a
+    noisy call cannot make a pass free), and ``k`` stays in ``[floor, 1 / floor]``. The
     corrections travel into the compiled decoder as traced values (no recompilation).
 
-    Overheads learnt by an earlier run (``prior``, seconds per round and per step) start the
-    sums as ``prior_weight`` rounds' worth of evidence, so a run starts where the last one
-    ended and its own calls soon outweigh them. The plain step's prior is dropped at this
-    tracker's first timed steps: the skip decision hinges on that cost, and a decode
-    measures it first-hand early on (``speculative_decode`` probes it), where a prior
-    learnt in another decode (another temperature, a first execution) can be far off
-    (``docs/goodput.md``, "Measuring the plain step too").
+    Overheads learnt by an earlier run (``prior``, seconds per round and per step) count as
+    ``prior_weight`` rounds (steps) of evidence for ``o`` (``o_step``), fading with
+    ``memory`` per call like the calls, so a run starts where the last one ended and its
+    own calls soon outweigh them. The plain step's prior is dropped at this tracker's first
+    timed steps: the skip decision hinges on that cost, and a decode measures it
+    first-hand early on (``speculative_decode`` probes it), where a prior learnt in another
+    decode (another temperature, a first execution) can be far off (``docs/goodput.md``,
+    "Measuring the plain step too").
 
     ``observed`` counts the calls this tracker timed, by kind (``"round"``, ``"step"``;
     the prior not included).
@@ -251,11 +268,14 @@ class CostTracker:
       memory: weight of the past per call, in ``[0, 1)``.
       floor: lowest corrected cost as a fraction of the calibrated one, in ``(0, 1]``.
       prior: ``(round, step)`` overheads in seconds from earlier runs (``None``: none;
-        the first call's overhead is then taken at its word).
+        the round overhead is then fitted from this run's calls alone).
       prior_weight: how many rounds (steps) of evidence ``prior`` counts for, ``>= 0``.
+      scale: the factor ``k`` learnt by earlier runs (1: none), ``> 0``.
+      ridge: rounds at depth 1 whose evidence holds ``k`` at ``scale``, ``> 0``.
 
     Raises:
-      ValueError: ``memory``, ``floor`` or ``prior_weight`` out of range.
+      ValueError: ``memory``, ``floor``, ``prior_weight``, ``scale`` or ``ridge`` out of
+        range.
     """
 
     def __init__(
@@ -266,6 +286,8 @@ class CostTracker:
         floor: float = 0.5,
         prior: tuple[float, float] | None = None,
         prior_weight: float = 4.0,
+        scale: float = 1.0,
+        ridge: float = 1.0,
     ):
         if not 0.0 <= memory < 1.0:
             raise ValueError(f"CostTracker memory must be in [0, 1), got {memory!r}")
@@ -273,13 +295,23 @@ class CostTracker:
             raise ValueError(f"CostTracker floor must be in (0, 1], got {floor!r}")
         if not prior_weight >= 0.0:
             raise ValueError(f"CostTracker prior_weight must be >= 0, got {prior_weight!r}")
+        if not (np.isfinite(scale) and scale > 0.0):
+            raise ValueError(f"CostTracker scale must be > 0, got {scale!r}")
+        if not (np.isfinite(ridge) and ridge > 0.0):
+            raise ValueError(f"CostTracker ridge must be > 0, got {ridge!r}")
         self.round_s = np.asarray(jax.device_get(base.round_s), np.float64)  # [K + 1]
         self.skip_s = float(jax.device_get(base.skip_s))
         self.memory, self.floor = memory, floor
-        # weighted seconds over the calibration, and weighted rounds (steps)
+        self.prior_scale = float(np.clip(scale, floor, 1.0 / floor))
+        depth_one = float(self.round_s[1]) if self.round_s.size > 1 else float(self.round_s[0])
+        self._ridge = ridge * max(depth_one, 1e-9) ** 2
+        # Rounds: weighted sums of R, P, y, P^2 / R and P y / R over the calls (weights
+        # memory^(n-c)); the prior overhead as `weight` rounds of evidence for o alone.
+        self._sums = np.zeros(5)
         weight = 0.0 if prior is None else float(prior_weight)
         prior = (0.0, 0.0) if prior is None else prior
-        self._excess = {"round": prior[0] * weight, "step": prior[1] * weight}
+        self._prior = np.asarray([weight, weight * prior[0]])  # rounds, seconds
+        self._excess = {"step": prior[1] * weight}
         self._count = {"round": weight, "step": weight}
         self.observed = {"round": 0, "step": 0}  # calls timed by this tracker (no prior)
 
@@ -289,8 +321,13 @@ class CostTracker:
         if kind == "step" and not self.observed["step"]:  # first-hand evidence replaces
             self._excess["step"] = self._count["step"] = 0.0  # the prior (see the class doc)
         self.observed[kind] += 1
-        self._excess[kind] = self.memory * self._excess[kind] + (seconds - predicted)
         self._count[kind] = self.memory * self._count[kind] + count
+        if kind == "round":
+            r, p, y = float(count), predicted, seconds
+            self._sums = self.memory * self._sums + np.asarray([r, p, y, p * p / r, p * y / r])
+            self._prior *= self.memory
+        else:
+            self._excess[kind] = self.memory * self._excess[kind] + (seconds - predicted)
 
     def observe_rounds(self, seconds: float, depths) -> None:
         """A call of the round loop took ``seconds`` for rounds of these depths.
@@ -307,15 +344,35 @@ class CostTracker:
         """``steps`` plain target steps (one call) took ``seconds``."""
         self._observe("step", seconds, steps * self.skip_s, int(steps))
 
+    def _fit(self) -> tuple[float, float]:
+        """``(o, k)`` of the rounds (see the class doc)."""
+        rounds, passes, seconds, pp, py = self._sums
+        k = self.prior_scale
+        if rounds > 0:  # the ridge-held slope of the centred sums
+            spread = pp - passes * passes / rounds
+            covary = py - passes * seconds / rounds
+            k = (covary + self._ridge * k) / (spread + self._ridge)
+            k = float(np.clip(k, self.floor, 1.0 / self.floor))
+        weight = rounds + self._prior[0]
+        o = (seconds - k * passes + self._prior[1]) / weight if weight > 0 else 0.0
+        return float(o), float(k)
+
+    def scale(self) -> float:
+        """The factor ``k`` on a round's calibrated passes fitted so far."""
+        return self._fit()[1]
+
     def overhead_s(self, kind: str) -> float:
-        """Seconds added to each ``"round"`` (or ``"step"``) by the correction so far."""
+        """Seconds added to each ``"round"`` (beyond ``scale()`` times its passes) or
+        ``"step"`` by the correction so far."""
+        if kind == "round":
+            return self._fit()[0]
         count = self._count[kind]
         return self._excess[kind] / count if count > 0 else 0.0
 
     def round_costs(self) -> RoundCosts:
         """The corrected :class:`~jaxcert.decoding.policies.RoundCosts` (float32)."""
-        overheads = (self.overhead_s("round"), self.overhead_s("step"))
-        return _corrected(self.round_s, self.skip_s, *overheads, floor=self.floor)
+        (o, k), step = self._fit(), self.overhead_s("step")
+        return _corrected(self.round_s, self.skip_s, o, step, floor=self.floor, scale=k)
 
 
 def nodes_at_depth(config: DecodeConfig) -> list[int]:
@@ -491,6 +548,7 @@ def remember(
             costs,
             round_overhead_s=tracker.overhead_s("round"),
             step_overhead_s=tracker.overhead_s("step"),
+            round_scale=tracker.scale(),
         )
     costs = dataclasses.replace(costs, drafting=drafting)
     _write(path, costs)

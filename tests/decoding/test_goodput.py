@@ -550,35 +550,81 @@ def test_calibrate_measures_once_and_keeps_the_result(pair, tmp_path, monkeypatc
     assert real(pair[0], ngram, rows=1, config=config, repeats=1).drafter_s == 0
 
 
-def test_the_cost_tracker_adds_the_measured_overhead():
+def _fit_reference(calls, *, memory, ridge, scale=1.0):
+    """``(o, k)`` by plain least squares of ``y = o R + k P`` over ``calls`` (``(R, P, y)``,
+    oldest first; call ``c`` of ``n`` weighted ``memory^(n-1-c) / R_c``) and a ridge row
+    holding ``k`` at ``scale``, ``o`` not held."""
+    n = len(calls)
+    rows = [np.sqrt(memory ** (n - 1 - c) / r) * np.asarray([r, p, y]) for c, (r, p, y) in
+            enumerate(calls)]  # fmt: skip
+    rows.append(np.sqrt(ridge) * np.asarray([0.0, 1.0, scale]))
+    a = np.asarray(rows)
+    (o, k), *_ = np.linalg.lstsq(a[:, :2], a[:, 2], rcond=None)
+    return o, k
+
+
+def test_the_cost_tracker_fits_an_overhead_and_a_factor():
     base = P.RoundCosts(round_s=jnp.asarray([1.0, 1.5, 2.0, 2.5]), skip_s=jnp.asarray(1.0))
+    passes = np.asarray(base.round_s)
+    ridge = passes[1] ** 2  # one round at depth 1
     tracker = costs_lib.CostTracker(base, memory=0.5, floor=0.5)
-    np.testing.assert_allclose(tracker.round_costs().round_s, base.round_s)  # nothing seen yet
-    # Call 1: rounds of depth 1, 3, 3 took 1.5 + 2.5 + 2.5 + 3 * 0.4 seconds.
+    np.testing.assert_allclose(tracker.round_costs().round_s, passes)  # nothing seen yet
+    assert tracker.scale() == 1.0
+    # Calls of one depth mix cannot tell a factor from an overhead: the factor stays at 1
+    # and the overhead is the ratio estimate.
     tracker.observe_rounds(6.5 + 1.2, [1, 3, 3])
     np.testing.assert_allclose(tracker.overhead_s("round"), 0.4)
-    # Call 2: two rounds of depth 2, 0.1 s over each; the past weighs 0.5 per call.
-    tracker.observe_rounds(4.0 + 0.2, [2, 2])
-    want = (0.5 * 1.2 + 0.2) / (0.5 * 3 + 2)
+    tracker.observe_rounds(6.5 + 0.3, [3, 1, 3])
+    np.testing.assert_allclose(tracker.scale(), 1.0, atol=1e-12)
+    want = (0.5 * 1.2 + 0.3) / (0.5 * 3 + 3)
     np.testing.assert_allclose(tracker.overhead_s("round"), want, rtol=1e-12)
-    got = tracker.round_costs()
-    np.testing.assert_allclose(got.round_s, np.asarray(base.round_s) + want, rtol=1e-6)
+    np.testing.assert_allclose(tracker.round_costs().round_s, passes + want, rtol=1e-6)
+    # Rounds that cost 0.2 s + 0.8 of their passes, at varied depths: both are found, and
+    # match a plain least squares fit of the same weighted calls.
+    fit = costs_lib.CostTracker(base, memory=0.9, floor=0.5)
+    calls = []
+    for depths in ([1] * 8, [3] * 8, [2, 1, 1, 2], [3, 3, 1], [1] * 6, [3] * 5) * 2:
+        p = float(passes[depths].sum())
+        y = 0.2 * len(depths) + 0.8 * p
+        fit.observe_rounds(y, depths)
+        calls.append((len(depths), p, y))
+    o, k = _fit_reference(calls, memory=0.9, ridge=ridge)
+    np.testing.assert_allclose([fit.overhead_s("round"), fit.scale()], [o, k], rtol=1e-9)
+    assert 0.8 < k < 0.9 and o > 0.1  # the ridge pulls k towards 1 a little
+    np.testing.assert_allclose(fit.round_costs().round_s, k * passes + o, rtol=1e-5)
+    got = fit.round_costs()
     assert float(got.skip_s) == 1.0  # steps have their own correction
-    tracker.observe_steps(8 * 1.3, 8)
-    np.testing.assert_allclose(float(tracker.round_costs().skip_s), 1.3, rtol=1e-6)
+    fit.observe_steps(8 * 1.3, 8)
+    np.testing.assert_allclose(float(fit.round_costs().skip_s), 1.3, rtol=1e-6)
     # A calibration that overestimates is corrected down, never below the floor.
     fast = costs_lib.CostTracker(base, floor=0.5)
     fast.observe_rounds(0.01, [3, 3])
-    np.testing.assert_allclose(fast.round_costs().round_s, 0.5 * np.asarray(base.round_s))
+    np.testing.assert_allclose(fast.round_costs().round_s, 0.5 * passes)
     fast.observe_rounds(float("nan"), [1])  # an unusable timing is ignored
     fast.observe_rounds(1.0, [])
-    assert fast.overhead_s("round") == pytest.approx((0.01 - 5.0) / 2)
+    assert fast.observed["round"] == 1
+    # A factor outside [floor, 1 / floor] is held at the bound, the overhead refitted.
+    steep = costs_lib.CostTracker(base, floor=0.5, ridge=1e-6)
+    for depths in ([1] * 4, [3] * 4):
+        steep.observe_rounds(5.0 * float(passes[depths].sum()) - 4.0, depths)
+    assert steep.scale() == 2.0
+    np.testing.assert_allclose(
+        np.asarray(steep.round_costs().round_s)[1:],
+        (2.0 * passes + steep.overhead_s("round"))[1:],
+        rtol=1e-5,
+    )
 
 
-@pytest.mark.parametrize("kw", [{"memory": 1.0}, {"memory": -0.1}, {"floor": 0.0}, {"floor": 2}])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"memory": 1.0}, {"memory": -0.1}, {"floor": 0.0}, {"floor": 2}, {"scale": 0.0},
+        {"scale": float("nan")}, {"ridge": 0.0}, {"prior_weight": -1.0},
+    ],
+)  # fmt: skip
 def test_the_cost_tracker_refuses_bad_settings(kw):
     base = P.RoundCosts.unknown(2)
-    with pytest.raises(ValueError, match="CostTracker (memory|floor)"):
+    with pytest.raises(ValueError, match="CostTracker (memory|floor|scale|ridge|prior_weight)"):
         costs_lib.CostTracker(base, **kw)
 
 
@@ -665,8 +711,12 @@ def test_learnt_overheads_are_kept_with_the_calibration(pair, tmp_path):
     # The next run's tracker starts from them, as prior_weight rounds of evidence.
     nxt = costs_lib.CostTracker(base, memory=0.5, prior=(0.3, 0.05), prior_weight=4)
     np.testing.assert_allclose(nxt.overhead_s("round"), 0.3)
-    nxt.observe_rounds(float(passes[[1, 1, 1, 1]].sum()) + 4 * 1.0, [1, 1, 1, 1])
+    seconds = float(passes[[1, 1, 1, 1]].sum()) + 4 * 1.0
+    nxt.observe_rounds(seconds, [1, 1, 1, 1])
+    # One depth mix: the factor stays at 1 and the overhead is the ratio estimate with the
+    # prior's rounds.
     np.testing.assert_allclose(nxt.overhead_s("round"), (0.5 * 4 * 0.3 + 4.0) / (0.5 * 4 + 4))
+    assert nxt.scale() == 1.0
     # A plain step's prior counts only until this tracker times steps of its own.
     np.testing.assert_allclose(nxt.overhead_s("step"), 0.05)
     nxt.observe_steps(2 * float(base.skip_s) - 2 * 0.1, 2)
@@ -675,8 +725,10 @@ def test_learnt_overheads_are_kept_with_the_calibration(pair, tmp_path):
     np.testing.assert_allclose(nxt.overhead_s("step"), (0.5 * 2 * -0.1 + 0.4) / (0.5 * 2 + 2))
     # A file of the same format without learnt overheads reads as none learnt.
     data = json.loads(path.read_text())
-    del data["round_overhead_s"], data["step_overhead_s"]
-    assert PassCosts.from_json(data).round_overhead_s == 0.0
+    assert PassCosts.from_json(data).round_scale == pytest.approx(1.0)  # one depth mix
+    del data["round_overhead_s"], data["step_overhead_s"], data["round_scale"]
+    read = PassCosts.from_json(data)
+    assert (read.round_overhead_s, read.round_scale) == (0.0, 1.0)
     assert costs_lib.remember(tmp_path / "missing.json", tracker) is None
 
 
