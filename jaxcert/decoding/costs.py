@@ -312,7 +312,7 @@ class CostTracker:
         prior = (0.0, 0.0) if prior is None else prior
         self._prior = np.asarray([weight, weight * prior[0]])  # rounds, seconds
         self._excess = {"step": prior[1] * weight}
-        self._count = {"round": weight, "step": weight}
+        self._count = {"step": weight}
         self.observed = {"round": 0, "step": 0}  # calls timed by this tracker (no prior)
 
     def _observe(self, kind: str, seconds: float, predicted: float, count: int) -> None:
@@ -321,12 +321,12 @@ class CostTracker:
         if kind == "step" and not self.observed["step"]:  # first-hand evidence replaces
             self._excess["step"] = self._count["step"] = 0.0  # the prior (see the class doc)
         self.observed[kind] += 1
-        self._count[kind] = self.memory * self._count[kind] + count
         if kind == "round":
             r, p, y = float(count), predicted, seconds
             self._sums = self.memory * self._sums + np.asarray([r, p, y, p * p / r, p * y / r])
             self._prior *= self.memory
         else:
+            self._count[kind] = self.memory * self._count[kind] + count
             self._excess[kind] = self.memory * self._excess[kind] + (seconds - predicted)
 
     def observe_rounds(self, seconds: float, depths) -> None:
