@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import os
 import pathlib
@@ -322,7 +323,8 @@ def greedy_sequences(
             if progress is not None and not started:
                 progress(positions, goal)
             started = True
-            todo = [(p, p_ids) for p, p_ids in kept[i:] if p.id not in cached][:chunk]
+            uncached = ((p, p_ids) for p, p_ids in kept[i:] if p.id not in cached)
+            todo = list(itertools.islice(uncached, chunk))
             new = _generate(target_lm, todo, length, batch_size)
             if path is not None:
                 _append_greedy_cache(path, target, length, new)
