@@ -31,6 +31,10 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcert import models
 
+# One program at a time on the simulated devices (see tests/sharded_cases.py: asynchronous
+# dispatch let two programs' collectives wait on each other on loaded cores). Set before the
+# backend starts.
+jax.config.update("jax_cpu_enable_async_dispatch", False)
 assert jax.device_count() == 8, jax.devices()
 AUTO = (AxisType.Auto, AxisType.Auto)
 

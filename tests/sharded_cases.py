@@ -171,6 +171,13 @@ class _nullcontext:
 
 
 if __name__ == "__main__":
+    # XLA:CPU dispatches programs asynchronously; each 8-device program's collectives wait
+    # for one thread per simulated device. Eagerly, every primitive is its own program, and
+    # on 2 loaded cores two programs' collectives could interleave and wait on each other
+    # for ever (CI hung once in the eager case: "Expected 4 threads to join the
+    # rendezvous"). Synchronous dispatch finishes each program on every device before the
+    # next one starts: same results, no interleaving.
+    jax.config.update("jax_cpu_enable_async_dispatch", False)
     ref = reference(int(sys.argv[1]))
     results = {}
     for pair in sys.argv[2:]:
