@@ -174,6 +174,74 @@ def test_training_on_records_lowers_kl_and_resumes_exactly(target, tmp_path):
         train_head_on_records(new(), rec, Objective("x", rules.Additive(0.3)), **kw)
 
 
+def test_heads_on_each_others_heldout_stores(target, tmp_path):
+    """`evaluate_heads` (and scripts/compare_heads.py): each head on each store equals
+    `evaluate_head` there, intervals bracket the means, differences are paired by sequence;
+    a head of other taps is refused by name."""
+    import json
+    import pathlib
+
+    from scripts_loader import load_script
+
+    from jaxcert.models.eagle import save_head
+    from jaxcert.training import head_recipe
+
+    stores = {
+        "a": head_data.write_store(target, _sequences(5, seed=2), tmp_path / "a", _spec()),
+        "b": head_data.write_store(target, _sequences(4, seed=3), tmp_path / "b", _spec()),
+    }
+    heads = {f"h{k}": EagleHead.from_target(target, rngs=nnx.Rngs(k), taps=TAPS) for k in (1, 2, 3)}
+    pooled = {"h1": heads["h1"], "h2": heads["h2"], "h23": [heads["h2"], heads["h3"]]}
+    result = head_recipe.evaluate_heads(pooled, stores, samples=500)
+    for name, store in stores.items():
+        got = result["stores"][name]
+        records = store.load()
+        assert got["sequences"] == records.tokens.shape[0]
+        assert got["positions"] == store.positions
+        per = {h: head_recipe.evaluate_head(heads[h], records, store.spec.rules) for h in heads}
+        per["h23"] = {k: (per["h2"][k] + per["h3"][k]) / 2 for k in per["h2"]}  # seeds pooled
+        for h in pooled:
+            for metric, values in per[h].items():
+                mean, low, high = got["heads"][h][metric]
+                assert mean == pytest.approx(values.mean(), abs=1e-9)
+                assert low <= mean <= high
+        assert got["seeds"] == {"h1": 1, "h2": 1, "h23": 2}
+        assert set(got["diff"]) == {"h2", "h23"}  # the first head is the baseline
+        delta = per["h2"]["kl"] - per["h1"]["kl"]
+        assert got["diff"]["h2"]["kl"][0] == pytest.approx(delta.mean(), abs=1e-9)
+        assert not np.allclose(delta, 0.0)  # two different heads
+    table = head_recipe.heads_table(result)
+    assert len(table.splitlines()) == 2 + 6  # header, rule, 2 stores x 3 heads
+    assert "| b (4 seq.) | h2 |" in table
+
+    other = EagleHead.from_target(target, rngs=nnx.Rngs(0), taps=(1,))
+    with pytest.raises(ValueError, match=r"head 'x' reads target blocks \(1,\), store 'a'"):
+        head_recipe.evaluate_heads({"x": other}, {"a": stores["a"]})
+    with pytest.raises(ValueError, match="at least one head"):
+        head_recipe.evaluate_heads({}, stores)
+
+    script = load_script("compare_heads")
+    for k in (1, 2):
+        save_head(heads[f"h{k}"], tmp_path / f"head{k}")
+    out = tmp_path / "cmp.json"
+    argv = ["--head", f"h1={tmp_path / 'head1'}", "--head", f"h2={tmp_path / 'head2'}",
+            "--heldout", f"a={tmp_path / 'a'}", "--out", str(out)]  # fmt: skip
+    assert script.main(argv) == 0
+    saved = json.loads(out.read_text())
+    want = result["stores"]["a"]["heads"]["h2"]["kl"][0]
+    assert saved["stores"]["a"]["heads"]["h2"]["kl"][0] == pytest.approx(want, rel=1e-5)
+    assert list(saved["stores"]) == ["a"] and set(saved["stores"]["a"]["diff"]) == {"h2"}
+    with pytest.raises(SystemExit):
+        script.parse_args(["--head", "nopath", "--heldout", "a=x"])
+    with pytest.raises(SystemExit):
+        script.parse_args(["--head", "h=x", "--head", "h=y", "--heldout", "a=x"])
+    with pytest.raises(SystemExit):
+        script.parse_args(["--head", "h=x", "--heldout", "a=x,y"])
+    assert script.parse_args(["--head", "h=x,y", "--heldout", "a=z"]).head == [
+        ("h", [pathlib.Path("x"), pathlib.Path("y")])
+    ]
+
+
 def test_reply_sequences_append_the_reply_and_the_end_token():
     tok = hf_tokenizer()
     end = tok.convert_tokens_to_ids("<|im_end|>")

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -42,6 +42,8 @@ __all__ = [
     "default_taps",
     "draft_vocabulary",
     "evaluate_head",
+    "evaluate_heads",
+    "heads_table",
     "head_objectives",
     "sequences",
     "split_sequences",
@@ -317,6 +319,107 @@ def evaluate_head(
         for j, r in enumerate(rule_names):
             out[f"certified:{r}"].append(float((kl[m] < cert[m, j]).mean()))
     return {k: np.asarray(v) for k, v in out.items()}
+
+
+def evaluate_heads(
+    heads: Mapping[str, EagleHead | Sequence[EagleHead]],
+    stores: Mapping[str, head_data.Store],
+    *,
+    samples: int = 4000,
+) -> dict:
+    """Every head on every held-out store: heads trained on different data (ShareGPT's
+    replies, the target's greedy continuations) compared on each other's held-out text
+    (``docs/training.md``, "Replies or greedy continuations").
+
+    On a store of the target's greedy continuations, a head's greedy agreement is exactly
+    its first drafted token's acceptance rate in greedy decoding of those prompts (the
+    decoder's context is then the target's greedy text, and the head reads the target's
+    true states of it).
+
+    Args:
+      heads: name -> head, or name -> the heads of several seeds (their per-sequence
+        metrics averaged, as the objectives table pools seeds); the first name is the
+        baseline of the paired differences.
+      stores: name -> held-out store (:func:`head_data.read_store`), each of the heads'
+        taps.
+      samples: bootstrap resamples.
+
+    Returns:
+      ``{"stores": {store: {"sequences", "positions", "heads": {head: {metric: [mean, low,
+      high]}}, "diff": {head: {metric: [mean, low, high]}}}}}``: the metrics of
+      :func:`evaluate_head`, means over the store's sequences with 95% bootstrap intervals;
+      ``diff`` holds each later head minus the first, paired by sequence (an interval that
+      excludes 0 is a significant difference).
+
+    Raises:
+      ValueError: no head or no store; a head whose taps are not the store's (its features
+        would be other blocks' states).
+    """
+    groups = {name: list(h) if isinstance(h, Sequence) else [h] for name, h in heads.items()}
+    if not groups or not stores or not all(groups.values()):
+        raise ValueError("evaluate_heads needs at least one head and one held-out store")
+    for store_name, store in stores.items():
+        for head_name, group in groups.items():
+            head = next((h for h in group if tuple(h.taps) != tuple(store.spec.taps)), None)
+            if head is not None:
+                raise ValueError(
+                    f"head {head_name!r} reads target blocks {tuple(head.taps)}, store "
+                    f"{store_name!r} ({store.folder}) holds blocks {tuple(store.spec.taps)}"
+                )
+    out: dict[str, dict] = {}
+    for store_name, store in stores.items():
+        records = store.load()
+        per = {}
+        for name, group in groups.items():
+            runs = [evaluate_head(h, records, store.spec.rules) for h in group]
+            per[name] = {k: np.mean([r[k] for r in runs], axis=0) for k in runs[0]}
+        first = next(iter(per))
+        out[store_name] = {
+            "folder": str(store.folder),
+            "sequences": int(records.tokens.shape[0]),
+            "positions": int(records.mask.sum()),
+            "seeds": {name: len(group) for name, group in groups.items()},
+            "heads": {
+                name: {k: list(bootstrap_mean(v, samples=samples)) for k, v in m.items()}
+                for name, m in per.items()
+            },
+            "diff": {
+                name: {
+                    k: list(bootstrap_mean(v - per[first][k], samples=samples))
+                    for k, v in m.items()
+                }
+                for name, m in per.items()
+                if name != first
+            },
+        }
+    return {"stores": out}
+
+
+def heads_table(result: dict) -> str:
+    """Markdown of :func:`evaluate_heads`: a row per held-out store and head, ``mean [low,
+    high]`` per metric, and the paired difference from the first head in KL and agreement
+    (``*``: the interval excludes 0)."""
+    from jaxcert.base.tables import markdown_table
+
+    def cell(v: Sequence[float]) -> str:
+        return f"{v[0]:.3f} [{v[1]:.3f}, {v[2]:.3f}]"
+
+    def diff(entry: dict | None, k: str) -> str:
+        if entry is None:
+            return "-"
+        m, lo, hi = entry[k]
+        return f"{m:+.3f} [{lo:+.3f}, {hi:+.3f}]" + ("*" if lo > 0 or hi < 0 else "")
+
+    rows = []
+    for store_name, store in result["stores"].items():
+        for name, metrics in store["heads"].items():
+            entry = store["diff"].get(name)
+            rows.append(
+                {"held-out": f"{store_name} ({store['sequences']} seq.)", "head": name}
+                | {k: cell(v) for k, v in metrics.items()}
+                | {"Δ kl": diff(entry, "kl"), "Δ agreement": diff(entry, "agreement")}
+            )
+    return markdown_table(rows)
 
 
 def _store_spec(target: LoadedModel, settings: HeadSettings, top_k: int) -> head_data.StoreSpec:
