@@ -331,10 +331,10 @@ def evaluate_heads(
     replies, the target's greedy continuations) compared on each other's held-out text
     (``docs/training.md``, "Replies or greedy continuations").
 
-    On a store of the target's greedy continuations, a head's greedy agreement is exactly
-    its first drafted token's acceptance rate in greedy decoding of those prompts (the
-    decoder's context is then the target's greedy text, and the head reads the target's
-    true states of it).
+    On a store of the target's greedy continuations, a head's greedy agreement is its
+    first drafted token's acceptance rate in greedy decoding of those prompts, up to float
+    rounding (the decoder's context is then the target's greedy text, and the head reads
+    the target's states of it).
 
     Args:
       heads: name -> head, or name -> the heads of several seeds (their per-sequence
