@@ -21,6 +21,7 @@ without retraining.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import pathlib
 from collections.abc import Callable, Mapping, Sequence
@@ -290,6 +291,17 @@ def _check_run_key(folder: pathlib.Path, key: dict[str, Any]) -> None:
         )
 
 
+@functools.cache
+def _jitted_window_terms() -> Callable:
+    """`eagle.window_terms` under one ``nnx.jit``, made once: heads of one shape then share
+    its compiled program (a fresh wrapper per call compiled it again for every head)."""
+    from flax import nnx
+
+    from jaxcert.training.eagle import window_terms
+
+    return nnx.jit(window_terms)
+
+
 def evaluate_head(
     head: EagleHead, records: head_data.HeadRecords, rule_names: tuple[str, ...]
 ) -> dict[str, np.ndarray]:
@@ -300,11 +312,7 @@ def evaluate_head(
       ``{"kl", "tv", "agreement", "certified:<rule>"...}``, each ``[N]`` float64 (one value
       per sequence: the unit of the bootstrap).
     """
-    from flax import nnx
-
-    from jaxcert.training.eagle import window_terms
-
-    terms = nnx.jit(window_terms)
+    terms = _jitted_window_terms()
     out: dict[str, list[float]] = {"kl": [], "tv": [], "agreement": []}
     for r in rule_names:
         out[f"certified:{r}"] = []
@@ -319,6 +327,20 @@ def evaluate_head(
         for j, r in enumerate(rule_names):
             out[f"certified:{r}"].append(float((kl[m] < cert[m, j]).mean()))
     return {k: np.asarray(v) for k, v in out.items()}
+
+
+def _pool_seeds(runs: Sequence[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Per-sequence metrics of one head per seed, averaged per sequence (seeds pooled)."""
+    return {k: np.mean([r[k] for r in runs], axis=0) for k in runs[0]}
+
+
+def _interval(v: Sequence[float], digits: int, *, signed: bool = False) -> str:
+    """``mean [low, high]``; ``signed`` (a paired difference) adds signs and a ``*`` when
+    the interval excludes 0."""
+    fmt = f"{{:{'+' if signed else ''}.{digits}f}}"
+    m, lo, hi = v
+    text = f"{fmt.format(m)} [{fmt.format(lo)}, {fmt.format(hi)}]"
+    return text + ("*" if signed and (lo > 0 or hi < 0) else "")
 
 
 def evaluate_heads(
@@ -371,8 +393,7 @@ def evaluate_heads(
         records = store.load()
         per = {}
         for name, group in groups.items():
-            runs = [evaluate_head(h, records, store.spec.rules) for h in group]
-            per[name] = {k: np.mean([r[k] for r in runs], axis=0) for k in runs[0]}
+            per[name] = _pool_seeds([evaluate_head(h, records, store.spec.rules) for h in group])
         first = next(iter(per))
         out[store_name] = {
             "folder": str(store.folder),
@@ -401,14 +422,8 @@ def heads_table(result: dict) -> str:
     (``*``: the interval excludes 0)."""
     from jaxcert.base.tables import markdown_table
 
-    def cell(v: Sequence[float]) -> str:
-        return f"{v[0]:.3f} [{v[1]:.3f}, {v[2]:.3f}]"
-
     def diff(entry: dict | None, k: str) -> str:
-        if entry is None:
-            return "-"
-        m, lo, hi = entry[k]
-        return f"{m:+.3f} [{lo:+.3f}, {hi:+.3f}]" + ("*" if lo > 0 or hi < 0 else "")
+        return "-" if entry is None else _interval(entry[k], 3, signed=True)
 
     rows = []
     for store_name, store in result["stores"].items():
@@ -416,7 +431,7 @@ def heads_table(result: dict) -> str:
             entry = store["diff"].get(name)
             rows.append(
                 {"held-out": f"{store_name} ({store['sequences']} seq.)", "head": name}
-                | {k: cell(v) for k, v in metrics.items()}
+                | {k: _interval(v, 3) for k, v in metrics.items()}
                 | {"Δ kl": diff(entry, "kl"), "Δ agreement": diff(entry, "agreement")}
             )
     return markdown_table(rows)
@@ -588,8 +603,7 @@ def summarize(rows: Sequence[dict], store: head_data.Store, settings: HeadSettin
         by_objective.setdefault(row["objective"], []).append(row)
     pooled: dict[str, dict[str, np.ndarray]] = {}
     for name, group in by_objective.items():
-        metrics = {k: np.mean([r["per_sequence"][k] for r in group], axis=0)
-                   for k in group[0]["per_sequence"]}  # fmt: skip
+        metrics = _pool_seeds([r["per_sequence"] for r in group])
         decoded = [r for r in group if r.get("decode")]  # the seeds decoded
         for t in decoded[0]["decode"] if decoded else ():
             runs = [r["decode"][t]["tokens_per_round"] for r in decoded]
@@ -627,18 +641,14 @@ def results_table(summary: dict) -> str:
     metrics = [k for k in metrics if k not in ("seeds", "decoded_seeds", "per_seed_kl")]
     diffs = ("kl", "agreement", "T0_tokens_per_round", "T1_tokens_per_round")
 
-    def cell(v: tuple[float, float, float]) -> str:
-        return f"{v[0]:.4f} [{v[1]:.4f}, {v[2]:.4f}]"
-
     def diff(entry: dict, k: str) -> str:
         if f"diff:{k}" not in entry:
             return "—"
-        m, lo, hi = entry[f"diff:{k}"]
-        return f"{m:+.4f} [{lo:+.4f}, {hi:+.4f}]" + ("*" if lo > 0 or hi < 0 else "")
+        return _interval(entry[f"diff:{k}"], 4, signed=True)
 
     rows = [
         {"objective": name, "seeds": ",".join(map(str, e["seeds"]))}
-        | {k: cell(e[k]) for k in metrics}
+        | {k: _interval(e[k], 4) for k in metrics}
         | {f"Δ {k}": diff(e, k) for k in diffs if k in e}
         for name, e in objectives.items()
     ]
