@@ -55,12 +55,21 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="NAME=FOLDER of a held-out record store (a train-drafter run's heldout/); repeat",
     )
     p.add_argument(
+        "--depth",
+        type=int,
+        default=1,
+        help="drafted tokens a round: also report the 2nd..D-th token's KL and agreement and "
+        "the accepted tokens of a D-token greedy chain (default %(default)s: first token only)",
+    )
+    p.add_argument(
         "--out",
         type=pathlib.Path,
         default=pathlib.Path("jaxcert-out/compare_heads.json"),
         help="JSON results (default jaxcert-out/compare_heads.json)",
     )
     args = p.parse_args(argv)
+    if args.depth < 1:
+        p.error(f"--depth must be >= 1, got {args.depth}")
     for name, paths in args.heldout:
         if len(paths) != 1:
             p.error(f"--heldout {name} names {len(paths)} folders; give one store a name")
@@ -79,7 +88,7 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     heads = {name: [load_head(p) for p in paths] for name, paths in args.head}
     stores = {name: head_data.read_store(paths[0]) for name, paths in args.heldout}
-    result = head_recipe.evaluate_heads(heads, stores)
+    result = head_recipe.evaluate_heads(heads, stores, depth=args.depth)
     result["heads"] = {name: [str(p) for p in paths] for name, paths in args.head}
     result["command"] = " ".join(["scripts/compare_heads.py", *(argv or sys.argv[1:])])
     result["seconds"] = round(time.perf_counter() - start, 1)

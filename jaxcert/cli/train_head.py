@@ -65,6 +65,13 @@ def add_head_arguments(p: argparse.ArgumentParser) -> None:
         "--head-layers", type=positive, default=1, help="decoder blocks (default %(default)s)"
     )
     g.add_argument(
+        "--ttt-depth",
+        type=positive,
+        default=1,
+        help="training-time test: train each head on the D tokens it drafts in a round, "
+        "later ones read its own earlier states (1: teacher forcing; default %(default)s)",
+    )
+    g.add_argument(
         "--objectives",
         default="kl,kl+greedy,kl+tree4,kl+tv",
         help="comma-separated, of kl, kl+greedy, kl+tree4, kl+tv (default %(default)s)",
@@ -123,6 +130,7 @@ def _settings(args: argparse.Namespace, num_layers: int, seeds: tuple[int, ...])
         data=args.data,
         taps=head_recipe.default_taps(num_layers) if args.head == "eagle3" else (),
         num_layers=args.head_layers,
+        ttt_depth=args.ttt_depth,
         draft_vocab=args.draft_vocab,
         positions=args.positions,
         heldout=args.heldout_sequences,

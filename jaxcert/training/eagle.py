@@ -41,6 +41,9 @@ __all__ = [
     "target_states",
     "train_eagle_head",
     "train_head_on_records",
+    "unroll_mask",
+    "unrolled_features",
+    "unrolled_window_terms",
     "window_loss",
     "window_terms",
 ]
@@ -192,6 +195,103 @@ def _window_log_q(
     return jnp.where(at >= 0, inside, b) - log_z[..., None], top
 
 
+def unroll_mask(length: int, depth: int) -> np.ndarray:
+    """``[D*T, D*T]`` bool: which of the unrolled tokens each one attends to.
+
+    Row and column ``k * T + t`` is pass ``k`` at position ``t``: the head reading ``x_t``
+    as the ``(k + 1)``-th token it drafts in a round whose last accepted token is
+    ``x_{t-k}``. As the decoder's cache holds it then, that token sees pass 0 (the slots
+    read with the target's states) at positions ``u <= t - k``, and pass ``j`` in
+    ``1..k`` only at ``t - k + j`` (its own earlier drafts of the round, itself last).
+    Pass 0 alone is the causal mask. ``docs/training.md``, "Training-time test".
+
+    Raises:
+      ValueError: ``length`` or ``depth`` below 1.
+    """
+    if length < 1 or depth < 1:
+        raise ValueError(f"length and depth must be >= 1, got {length}, {depth}")
+    t = np.arange(length)
+    rows = []
+    for k in range(depth):
+        cols = [t[None, :] <= t[:, None] - k]  # pass 0
+        cols += [t[None, :] == t[:, None] - k + j if j <= k else np.zeros((length, length), bool)
+                 for j in range(1, depth)]  # fmt: skip
+        rows.append(np.concatenate(cols, axis=1))
+    return np.concatenate(rows, axis=0)
+
+
+def unrolled_features(
+    head: EagleHead, tokens: jax.Array, states: jax.Array, depth: int
+) -> jax.Array:
+    """The head's hidden states ``[D, b, T, E]`` when it drafts ``depth`` tokens a round.
+
+    Pass 0 is teacher forcing (``x_t`` with the target's states at ``t - 1``); pass ``k``
+    reads ``x_t`` with pass ``k - 1``'s hidden state at ``t - 1``, attending as
+    :func:`unroll_mask` says: what the decoder computes for its ``(k + 1)``-th drafted token
+    when the drafts before it were ``x_{t-k+1} .. x_{t-1}`` ("training-time test"). Pass
+    ``k`` at ``t < k`` has no such round (its values are not meaningful). Gradients flow
+    through the earlier passes' states. ``D`` calls of the head, over ``T, 2T, .., D*T``
+    tokens (each call recomputes the passes before it: the same values).
+
+    Args:
+      head: the head.
+      tokens: ``[b, T]`` int ids; ``states`` ``[b, T, C]`` the target's states after each.
+      depth: ``D >= 1``, drafted tokens a round.
+
+    Raises:
+      ValueError: ``depth`` below 1.
+    """
+    if depth < 1:
+        raise ValueError(f"depth must be >= 1, got {depth}")
+    b, t = tokens.shape
+    contexts = [context_before(head, states)]
+    if depth == 1:
+        hidden, _ = head.features(tokens, head.init_cache(b, t), context=contexts[0])
+        return hidden[None]
+    for k in range(1, depth + 1):
+        n = k * t
+        mask = jnp.broadcast_to(jnp.asarray(unroll_mask(t, k)), (b, n, n))
+        positions = jnp.broadcast_to(jnp.tile(jnp.arange(t, dtype=jnp.int32), k), (b, n))
+        hidden, _ = head.features(
+            jnp.tile(tokens, (1, k)),
+            head.init_cache(b, n),
+            context=jnp.concatenate(contexts, axis=1),
+            positions=positions,
+            attention_mask=mask,
+        )
+        hidden = hidden.reshape(b, k, t, -1)
+        last = hidden[:, k - 1]
+        contexts.append(jnp.concatenate([jnp.zeros_like(last[:, :1]), last[:, :-1]], axis=1))
+    return jnp.moveaxis(hidden, 1, 0)
+
+
+def unrolled_window_terms(
+    head: EagleHead, batch: dict[str, jax.Array], depth: int
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """:func:`window_terms` for each of ``depth`` drafted tokens a round
+    (:func:`unrolled_features`): ``kl`` ``[D, b, T]`` nats, ``tv`` ``[D, b, T]``,
+    ``certificate`` ``[b, T, R]`` nats, ``argmax`` ``[D, b, T]`` int32. Pass ``k`` at
+    ``t`` is scored against the target's window at ``t`` (its next token is ``x_{t+1}``
+    whichever pass drafts it); positions ``t < k`` are not meaningful for pass ``k``.
+
+    Raises:
+      ValueError: ``depth`` below 1.
+    """
+    hidden = unrolled_features(head, batch["tokens"], batch["states"], depth)  # [D, b, T, E]
+    ids = jnp.broadcast_to(batch["top_ids"], (depth, *batch["top_ids"].shape))
+    log_q, top = _window_log_q(head, hidden, ids)  # [D, b, T, K], [D, b, T]
+    log_p = batch["top_logp"]
+    p, q = jnp.exp(log_p), jnp.exp(log_q)
+    p_rest = jnp.clip(1.0 - jnp.sum(p, axis=-1), 0.0, 1.0)
+    q_rest = jnp.clip(1.0 - jnp.sum(q, axis=-1), 1e-30, 1.0)
+    rest = jnp.where(
+        p_rest > 0, p_rest * (jnp.log(jnp.maximum(p_rest, 1e-30)) - jnp.log(q_rest)), 0
+    )
+    kl = jnp.maximum(jnp.sum(p * (log_p - log_q), axis=-1) + rest, 0.0)
+    tv = 1.0 - jnp.sum(jnp.minimum(p, q), axis=-1) - jnp.minimum(p_rest, q_rest)
+    return kl, tv, batch["certificate"], top
+
+
 def window_terms(
     head: EagleHead, batch: dict[str, jax.Array]
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
@@ -214,21 +314,8 @@ def window_terms(
       ``argmax`` ``[b, T]`` int32, the head's greedy token (``-1``: outside the draft
       vocabulary).
     """
-    tokens = batch["tokens"]
-    b, t = tokens.shape
-    context = context_before(head, batch["states"])
-    hidden, _ = head.features(tokens, head.init_cache(b, t), context=context)
-    log_q, top = _window_log_q(head, hidden, batch["top_ids"])  # [b, T, K], [b, T]
-    log_p = batch["top_logp"]
-    p, q = jnp.exp(log_p), jnp.exp(log_q)
-    p_rest = jnp.clip(1.0 - jnp.sum(p, axis=-1), 0.0, 1.0)
-    q_rest = jnp.clip(1.0 - jnp.sum(q, axis=-1), 1e-30, 1.0)
-    rest = jnp.where(
-        p_rest > 0, p_rest * (jnp.log(jnp.maximum(p_rest, 1e-30)) - jnp.log(q_rest)), 0
-    )
-    kl = jnp.maximum(jnp.sum(p * (log_p - log_q), axis=-1) + rest, 0.0)
-    tv = 1.0 - jnp.sum(jnp.minimum(p, q), axis=-1) - jnp.minimum(p_rest, q_rest)
-    return kl, tv, batch["certificate"], top
+    kl, tv, cert, top = unrolled_window_terms(head, batch, 1)
+    return kl[0], tv[0], cert, top[0]
 
 
 def window_loss(
@@ -236,20 +323,34 @@ def window_loss(
     batch: dict[str, jax.Array],
     objective: Objective,
     rule_index: int | None,
+    depth: int = 1,
+    decay: float = 0.8,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
     """``mean KL + weight * mean relu(KL - C_p + margin) + tv_weight * mean TV`` over the
-    batch's ``mask``: ``(loss, (kl, violation, tv))``, means in nats (TV unitless)."""
-    kl, tv, cert, _ = window_terms(head, batch)
-    mask = batch["mask"]
-    count = jnp.maximum(jnp.sum(mask), 1)
-    mean = lambda x: jnp.sum(jnp.where(mask, x, 0.0)) / count  # noqa: E731
-    violation = jnp.zeros(())
-    if rule_index is not None:
-        c = cert[..., rule_index]
-        hinge = jnp.where(jnp.isfinite(c), jax.nn.relu(kl - c + objective.margin), 0.0)
-        violation = mean(hinge)
-    loss = mean(kl) + objective.weight * violation + objective.tv_weight * mean(tv)
-    return loss, (mean(kl), violation, mean(tv))
+    batch's ``mask``: ``(loss, (kl, violation, tv))``, means in nats (TV unitless).
+
+    With ``depth > 1`` ("training-time test", :func:`unrolled_window_terms`) the loss is
+    the mean over passes ``k < depth`` of that objective, weighted ``decay**k`` (pass ``k``
+    only over positions ``t >= k``); the returned terms stay pass 0's, so that runs of any
+    depth log comparable figures.
+    """
+    kl, tv, cert, _ = unrolled_window_terms(head, batch, depth)  # [D, b, T]
+    positions = jnp.arange(batch["tokens"].shape[1])
+    total, weights = jnp.zeros(()), 0.0
+    terms = []
+    for k in range(depth):
+        mask = batch["mask"] & (positions >= k)[None, :]
+        count = jnp.maximum(jnp.sum(mask), 1)
+        mean = lambda x, mask=mask, count=count: jnp.sum(jnp.where(mask, x, 0.0)) / count  # noqa: E731
+        violation = jnp.zeros(())
+        if rule_index is not None:
+            c = cert[..., rule_index]
+            hinge = jnp.where(jnp.isfinite(c), jax.nn.relu(kl[k] - c + objective.margin), 0.0)
+            violation = mean(hinge)
+        loss = mean(kl[k]) + objective.weight * violation + objective.tv_weight * mean(tv[k])
+        total, weights = total + decay**k * loss, weights + decay**k
+        terms.append((mean(kl[k]), violation, mean(tv[k])))
+    return total / weights, terms[0]
 
 
 def _batch_rows(n: int, batch_size: int, seed: int, step: int) -> np.ndarray:
@@ -274,6 +375,8 @@ def train_head_on_records(
     checkpoint: str | os.PathLike | None = None,
     every: int = 25,
     log: Callable[[int, dict[str, float]], None] | None = None,
+    depth: int = 1,
+    decay: float = 0.8,
 ) -> tuple[EagleHead, list[dict[str, float]]]:
     """Trains ``head``'s `TRAINABLE` parameters on stored records, resumable.
 
@@ -294,17 +397,25 @@ def train_head_on_records(
       checkpoint: the folder of checkpoints, or ``None``.
       every: steps between checkpoints.
       log: called as ``log(step, {"loss", "kl", "violation", "tv", "seconds"})``.
+      depth, decay: training-time test: the loss over ``depth`` drafted tokens a round,
+        pass ``k`` weighted ``decay**k`` (:func:`window_loss`); ``depth=1`` is teacher
+        forcing.
 
     Returns:
       ``(head, history)``, one dict per step done (all steps when resumed).
 
     Raises:
-      ValueError: the objective's rule is not among the store's rules.
+      ValueError: the objective's rule is not among the store's rules, ``depth`` below 1 or
+        ``decay`` not in ``(0, 1]``.
     """
     import time
 
     from jaxcert.models.eagle import load_head, save_head
 
+    if not isinstance(depth, int) or depth < 1:
+        raise ValueError(f"depth must be an int >= 1, got {depth!r}")
+    if not 0.0 < decay <= 1.0:
+        raise ValueError(f"decay must be in (0, 1], got {decay}")
     rule_index = None
     if objective.rule is not None:
         parsed = [rules_lib.parse_rule(r) for r in rule_names]
@@ -337,7 +448,7 @@ def train_head_on_records(
     def step(head, optimizer, batch):
         diff = nnx.DiffState(0, TRAINABLE)
         grad_fn = nnx.value_and_grad(window_loss, argnums=diff, has_aux=True)
-        (loss, aux), grads = grad_fn(head, batch, objective, rule_index)
+        (loss, aux), grads = grad_fn(head, batch, objective, rule_index, depth, decay)
         optimizer.update(head, grads)
         return (loss, *aux)
 

@@ -69,6 +69,8 @@ class HeadSettings:
         or ``'greedy'`` (the target's greedy continuations).
       taps: target blocks the head fuses (``()``: EAGLE-1, the final-norm state).
       num_layers: the head's decoder blocks.
+      ttt_depth: drafted tokens a round the loss covers ("training-time test",
+        `eagle.window_loss`; ``1``: teacher forcing only).
       draft_vocab: size of the reduced draft vocabulary (``0``: the full vocabulary).
       length: tokens per training sequence (prompt + reply).
       top_k: target log-probabilities stored per training position.
@@ -83,6 +85,7 @@ class HeadSettings:
     data: str = "replies"
     taps: tuple[int, ...] = ()
     num_layers: int = 1
+    ttt_depth: int = 1
     draft_vocab: int = 32_768
     length: int = 256
     top_k: int = 64
@@ -97,6 +100,8 @@ class HeadSettings:
     def __post_init__(self) -> None:
         if self.data not in ("replies", "greedy"):
             raise ValueError(f"data must be 'replies' or 'greedy', got {self.data!r}")
+        if self.ttt_depth < 1:
+            raise ValueError(f"ttt_depth must be >= 1, got {self.ttt_depth}")
 
 
 def head_objectives(weight: float = 1.0, margin: float = 0.0) -> tuple[Objective, ...]:
@@ -233,6 +238,7 @@ def train_one(
         seed=seed,
         checkpoint=folder,
         log=log,
+        depth=settings.ttt_depth,
     )
     (folder / "done.json").write_text(json.dumps({"steps": len(history), "last": history[-1]}))
     return head
@@ -246,7 +252,8 @@ def run_key(
     vocab: np.ndarray | None,
 ) -> dict[str, Any]:
     """What a head folder's training depends on: the trained sequences (a digest of their
-    tokens), the objective, the seed, the head's shape and the optimisation settings."""
+    tokens), the objective, the seed, the head's shape and the optimisation settings
+    (``ttt_depth`` only when it is not 1, so that earlier folders keep their keys)."""
     import hashlib
 
     digest = hashlib.sha256(np.ascontiguousarray(records.tokens).tobytes()).hexdigest()[:16]
@@ -264,7 +271,7 @@ def run_key(
         "steps": settings.steps,
         "batch_size": settings.batch_size,
         "learning_rate": settings.learning_rate,
-    }
+    } | ({"ttt_depth": settings.ttt_depth} if settings.ttt_depth != 1 else {})
 
 
 def _check_run_key(folder: pathlib.Path, key: dict[str, Any]) -> None:
@@ -292,40 +299,84 @@ def _check_run_key(folder: pathlib.Path, key: dict[str, Any]) -> None:
 
 
 @functools.cache
-def _jitted_window_terms() -> Callable:
-    """`eagle.window_terms` under one ``nnx.jit``, made once: heads of one shape then share
-    its compiled program (a fresh wrapper per call compiled it again for every head)."""
+def _jitted_window_terms(depth: int) -> Callable:
+    """`eagle.unrolled_window_terms` at ``depth`` under one ``nnx.jit``, made once: heads of
+    one shape then share its compiled program (a fresh wrapper per call compiled it again
+    for every head)."""
     from flax import nnx
 
-    from jaxcert.training.eagle import window_terms
+    from jaxcert.training.eagle import unrolled_window_terms
 
-    return nnx.jit(window_terms)
+    return nnx.jit(functools.partial(unrolled_window_terms, depth=depth))
 
 
 def evaluate_head(
-    head: EagleHead, records: head_data.HeadRecords, rule_names: tuple[str, ...]
+    head: EagleHead,
+    records: head_data.HeadRecords,
+    rule_names: tuple[str, ...],
+    *,
+    depth: int = 1,
 ) -> dict[str, np.ndarray]:
     """Per held-out sequence: mean window KL (nats), mean TV, greedy agreement and the
     certified fraction per rule (``KL < C_p``), over its trained positions.
 
+    With ``depth = D > 1``, also the head's later drafted tokens
+    (`eagle.unrolled_window_terms`, ``docs/training.md``, "Training-time test"): for
+    ``k = 2 .. D``, ``kl@k`` and ``agreement@k`` of the ``k``-th token of a round given
+    that the ``k - 1`` before it were the text's (accepted), over the positions where
+    such a round fits; and ``accepted@D``, the mean over rounds starting at each trained
+    position (with ``D - 1`` trained positions after it) of how many of ``D`` greedily
+    drafted tokens the target's greedy choice accepts. On the target's own greedy text
+    ``accepted@D`` is the acceptance of a ``D``-token chain in greedy decoding (up to float
+    rounding); on other text the chain is drafted after the text's tokens, not the
+    target's.
+
     Returns:
-      ``{"kl", "tv", "agreement", "certified:<rule>"...}``, each ``[N]`` float64 (one value
-      per sequence: the unit of the bootstrap).
+      ``{"kl", "tv", "agreement", "certified:<rule>"..., ["kl@k", "agreement@k"...,
+      "accepted@D"]}``, each ``[N]`` float64 (one value per sequence: the unit of the
+      bootstrap; NaN for a sequence too short for a round of ``D``).
+
+    Raises:
+      ValueError: ``depth`` below 1.
     """
-    terms = _jitted_window_terms()
+    if depth < 1:
+        raise ValueError(f"depth must be >= 1, got {depth}")
+    terms = _jitted_window_terms(depth)
     out: dict[str, list[float]] = {"kl": [], "tv": [], "agreement": []}
     for r in rule_names:
         out[f"certified:{r}"] = []
+    for k in range(2, depth + 1):
+        out[f"kl@{k}"], out[f"agreement@{k}"] = [], []
+    if depth > 1:
+        out[f"accepted@{depth}"] = []
     mask = records.mask
+    nan = float("nan")
     for i in range(records.tokens.shape[0]):
         batch = records.batch(slice(i, i + 1))
-        kl, tv, cert, top = (np.asarray(x)[0] for x in terms(head, batch))
+        kl, tv, cert, top = terms(head, batch)
+        kl, tv, top = (np.asarray(x)[:, 0] for x in (kl, tv, top))  # [D, T]
+        cert = np.asarray(cert)[0]  # [T, R]
         m = mask[i]
-        out["kl"].append(float(kl[m].mean()))
-        out["tv"].append(float(tv[m].mean()))
-        out["agreement"].append(float((top[m] == records.top_ids[i, :, 0][m]).mean()))
+        greedy = records.top_ids[i, :, 0]
+        hit = top == greedy[None, :]  # [D, T]
+        out["kl"].append(float(kl[0][m].mean()))
+        out["tv"].append(float(tv[0][m].mean()))
+        out["agreement"].append(float(hit[0][m].mean()))
         for j, r in enumerate(rule_names):
-            out[f"certified:{r}"].append(float((kl[m] < cert[m, j]).mean()))
+            out[f"certified:{r}"].append(float((kl[0][m] < cert[m, j]).mean()))
+        t = np.arange(m.size)
+        for k in range(1, depth):
+            mk = m & (t >= k)  # the round starts at t - k, a trained position or the prompt's last
+            out[f"kl@{k + 1}"].append(float(kl[k][mk].mean()) if mk.any() else nan)
+            out[f"agreement@{k + 1}"].append(float(hit[k][mk].mean()) if mk.any() else nan)
+        if depth > 1:
+            starts = np.flatnonzero(m[: m.size - depth + 1] & m[depth - 1 :])
+            run = np.ones(starts.size, bool)
+            accepted = np.zeros(starts.size)
+            for k in range(depth):
+                run &= hit[k][starts + k]
+                accepted += run
+            out[f"accepted@{depth}"].append(float(accepted.mean()) if starts.size else nan)
     return {k: np.asarray(v) for k, v in out.items()}
 
 
@@ -348,6 +399,7 @@ def evaluate_heads(
     stores: Mapping[str, head_data.Store],
     *,
     samples: int = 4000,
+    depth: int = 1,
 ) -> dict:
     """Every head on every held-out store: heads trained on different data (ShareGPT's
     replies, the target's greedy continuations) compared on each other's held-out text
@@ -365,6 +417,8 @@ def evaluate_heads(
       stores: name -> held-out store (:func:`head_data.read_store`), each of the heads'
         taps.
       samples: bootstrap resamples.
+      depth: drafted tokens a round for the later-token metrics of :func:`evaluate_head`
+        (``1``: the first drafted token only).
 
     Returns:
       ``{"stores": {store: {"sequences", "positions", "heads": {head: {metric: [mean, low,
@@ -374,9 +428,11 @@ def evaluate_heads(
       excludes 0 is a significant difference).
 
     Raises:
-      ValueError: no head or no store; a head whose taps are not the store's (its features
-        would be other blocks' states).
+      ValueError: ``depth`` below 1; no head or no store; a head whose taps are not the
+        store's (its features would be other blocks' states).
     """
+    if depth < 1:
+        raise ValueError(f"depth must be >= 1, got {depth}")
     groups = {name: list(h) if isinstance(h, Sequence) else [h] for name, h in heads.items()}
     if not groups or not stores or not all(groups.values()):
         raise ValueError("evaluate_heads needs at least one head and one held-out store")
@@ -393,7 +449,9 @@ def evaluate_heads(
         records = store.load()
         per = {}
         for name, group in groups.items():
-            per[name] = _pool_seeds([evaluate_head(h, records, store.spec.rules) for h in group])
+            per[name] = _pool_seeds(
+                [evaluate_head(h, records, store.spec.rules, depth=depth) for h in group]
+            )
         first = next(iter(per))
         out[store_name] = {
             "folder": str(store.folder),
