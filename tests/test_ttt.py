@@ -232,3 +232,53 @@ def test_jitted_unroll_matches_eager(target, records):
     jitted = nnx.jit(unrolled_window_terms, static_argnums=2)(head, batch, 2)
     for a, b in zip(eager, jitted, strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
+
+
+def test_finetune_script_trains_resumes_and_compares_by_depth(target, records, tmp_path):
+    """scripts/finetune_head.py continues a saved head (depth 2), resumes without redoing
+    steps, refuses other options in its folder; compare_heads --depth reports the later
+    tokens' metrics of both heads."""
+    import json
+
+    from scripts_loader import load_script
+
+    from jaxcert.models.eagle import load_head, save_head
+
+    spec = head_data.StoreSpec(target="tiny", taps=TAPS, length=20, top_k=8, batch_size=5)
+    rng = np.random.default_rng(5)
+    seqs = [head_data.TrainingSequence(str(i), tuple(rng.integers(0, V, 14)), 3) for i in range(4)]
+    head_data.write_store(target, seqs, tmp_path / "store", spec)
+    save_head(_head(target), tmp_path / "h0")
+    script = load_script("finetune_head")
+    argv = ["--head", str(tmp_path / "h0"), "--store", str(tmp_path / "store"), "--depth", "2",
+            "--steps", "3", "--every", "2", "--learning-rate", "1e-2",
+            "--out", str(tmp_path / "ft")]  # fmt: skip
+    assert script.main(argv) == 0
+    progress = json.loads((tmp_path / "ft" / "progress.json").read_text())
+    assert progress["step"] == 3 and len(progress["history"]) == 3
+    tuned = load_head(tmp_path / "ft" / "head")
+    before = np.asarray(load_head(tmp_path / "h0").fc.get_value())
+    assert np.abs(np.asarray(tuned.fc.get_value()) - before).max() > 1e-4
+    assert script.main(argv) == 0  # finished: resumes at step 3, trains nothing more
+    assert json.loads((tmp_path / "ft" / "progress.json").read_text()) == progress
+    with pytest.raises(SystemExit, match="other options"):
+        script.main([*argv[:5], "1", *argv[6:]])  # --depth 1 in the same folder
+    with pytest.raises(SystemExit):
+        script.parse_args([*argv[:5], "0", *argv[6:]])
+    with pytest.raises(SystemExit):
+        script.parse_args([*argv, "--decay", "1.5"])
+
+    compare = load_script("compare_heads")
+    out = tmp_path / "cmp.json"
+    cmp_argv = ["--head", f"h0={tmp_path / 'h0'}", "--head", f"ft={tmp_path / 'ft' / 'head'}",
+                "--heldout", f"s={tmp_path / 'store'}", "--depth", "2",
+                "--out", str(out)]  # fmt: skip
+    assert compare.main(cmp_argv) == 0
+    saved = json.loads(out.read_text())["stores"]["s"]
+    direct = head_recipe.evaluate_head(tuned, head_data.read_store(tmp_path / "store").load(),
+                                       spec.rules, depth=2)  # fmt: skip
+    assert saved["heads"]["ft"]["agreement@2"][0] == pytest.approx(direct["agreement@2"].mean())
+    assert saved["heads"]["ft"]["accepted@2"][0] == pytest.approx(direct["accepted@2"].mean())
+    assert "kl@2" in saved["diff"]["ft"]
+    with pytest.raises(SystemExit):
+        compare.parse_args([*cmp_argv[:7], "0", *cmp_argv[8:]])
