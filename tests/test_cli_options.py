@@ -77,6 +77,7 @@ TRAIN_DEFAULTS = {
     "--heldout-sequences": "48",
     "--draft-vocab": "32768",
     "--head-layers": "1",
+    "--ttt-depth": "1",
     "--objectives": "kl,kl+greedy,kl+tree4,kl+tv",
     "--seeds": "0,1",
 }

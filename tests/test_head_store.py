@@ -315,6 +315,9 @@ def test_train_drafter_head_mode_end_to_end_and_resumes(tmp_path, capsys):
     assert main(longer) == 2
     assert re.search(r"kl-seed0 holds a head trained for another run \(differs in steps\)",
                      capsys.readouterr().err)  # fmt: skip
+    assert main([*argv, "--ttt-depth", "2"]) == 2  # training-time test: another run too
+    assert re.search(r"kl-seed0 holds a head trained for another run \(differs in ttt_depth\)",
+                     capsys.readouterr().err)  # fmt: skip
     assert (out / "kl-seed0" / "done.json").is_file()
 
 

@@ -69,7 +69,8 @@ def add_head_arguments(p: argparse.ArgumentParser) -> None:
         type=positive,
         default=1,
         help="training-time test: train each head on the D tokens it drafts in a round, "
-        "later ones read its own earlier states (1: teacher forcing; default %(default)s)",
+        "the later ones reading its own earlier states; 1 is teacher forcing (default "
+        "%(default)s)",
     )
     g.add_argument(
         "--objectives",
