@@ -228,7 +228,7 @@ def unrolled_features(
     Pass 0 is teacher forcing (``x_t`` with the target's states at ``t - 1``); pass ``k``
     reads ``x_t`` with pass ``k - 1``'s hidden state at ``t - 1``, attending as
     :func:`unroll_mask` says: what the decoder computes for its ``(k + 1)``-th drafted token
-    when the drafts before it were ``x_{t-k+1} .. x_{t-1}`` ("training-time test"). Pass
+    when its drafts before it in the round were ``x_{t-k+1} .. x_t`` ("training-time test"). Pass
     ``k`` at ``t < k`` has no such round (its values are not meaningful). Gradients flow
     through the earlier passes' states. ``D`` calls of the head, over ``T, 2T, .., D*T``
     tokens (each call recomputes the passes before it: the same values).
