@@ -17,7 +17,10 @@ Usage::
       --out jaxcert-out/compare_heads.json
 
 with RUN_R and RUN_G the ``--out`` folders of a ``--data replies`` and a ``--data greedy``
-run. Prints a markdown table and writes the JSON to ``--out``.
+run. Prints a markdown table and writes the JSON to ``--out``. With ``--depth D`` it also
+reports the 2nd to D-th drafted tokens of a round and the accepted tokens of a D-token
+greedy chain (heads trained with and without training-time test: ``docs/training.md``,
+"Training-time test").
 """
 
 from __future__ import annotations

@@ -366,7 +366,7 @@ def evaluate_head(
             out[f"certified:{r}"].append(float((kl[0][m] < cert[m, j]).mean()))
         t = np.arange(m.size)
         for k in range(1, depth):
-            mk = m & (t >= k)  # the round starts at t - k, a trained position or the prompt's last
+            mk = m & (t >= k)  # pass k at t: the round's last accepted token is x_{t-k}
             out[f"kl@{k + 1}"].append(float(kl[k][mk].mean()) if mk.any() else nan)
             out[f"agreement@{k + 1}"].append(float(hit[k][mk].mean()) if mk.any() else nan)
         if depth > 1:
