@@ -40,6 +40,8 @@ def _named(text: str) -> tuple[str, list[pathlib.Path]]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from jaxcert.cli.argtypes import positive
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--head",
@@ -59,7 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--depth",
-        type=int,
+        type=positive,
         default=1,
         help="drafted tokens a round: also report the 2nd..D-th token's KL and agreement and "
         "the accepted tokens of a D-token greedy chain (default %(default)s: first token only)",
@@ -71,8 +73,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="JSON results (default jaxcert-out/compare_heads.json)",
     )
     args = p.parse_args(argv)
-    if args.depth < 1:
-        p.error(f"--depth must be >= 1, got {args.depth}")
     for name, paths in args.heldout:
         if len(paths) != 1:
             p.error(f"--heldout {name} names {len(paths)} folders; give one store a name")

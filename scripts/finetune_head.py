@@ -30,28 +30,27 @@ _OBJECTIVES = ("kl", "kl+tv")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from jaxcert.cli.argtypes import positive, positive_float
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--head", type=pathlib.Path, required=True, help="the saved head to start from")
     p.add_argument("--store", type=pathlib.Path, required=True, help="a record store folder")
-    p.add_argument("--depth", type=int, default=1, help="drafted tokens a round (default 1)")
+    p.add_argument("--depth", type=positive, default=1, help="drafted tokens a round (default 1)")
     p.add_argument(
         "--decay", type=float, default=0.8, help="weight decay**k of pass k (default 0.8)"
     )
     p.add_argument("--objective", choices=_OBJECTIVES, default="kl+tv")
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--learning-rate", type=float, default=1e-4, help="peak rate (default 1e-4)")
+    p.add_argument("--steps", type=positive, default=40)
+    p.add_argument("--batch-size", type=positive, default=4)
+    p.add_argument(
+        "--learning-rate", type=positive_float, default=1e-4, help="peak rate (default 1e-4)"
+    )
     p.add_argument("--seed", type=int, default=0, help="batch order (default 0)")
-    p.add_argument("--every", type=int, default=10, help="steps between checkpoints")
+    p.add_argument("--every", type=positive, default=10, help="steps between checkpoints")
     p.add_argument("--out", type=pathlib.Path, required=True, help="checkpoint folder")
     args = p.parse_args(argv)
-    for name in ("depth", "steps", "batch_size", "every"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 0.0 < args.decay <= 1.0:
         p.error(f"--decay must be in (0, 1], got {args.decay}")
-    if not args.learning_rate > 0:
-        p.error(f"--learning-rate must be positive, got {args.learning_rate}")
     return args
 
 

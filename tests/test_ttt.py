@@ -71,9 +71,9 @@ def test_unroll_mask_is_its_definition(t, d):
 
 
 def test_unroll_mask_refuses_bad_sizes():
-    with pytest.raises(ValueError, match="length and depth must be >= 1"):
+    with pytest.raises(ValueError, match="length must be an integer >= 1, got 0"):
         unroll_mask(0, 2)
-    with pytest.raises(ValueError, match="length and depth must be >= 1"):
+    with pytest.raises(ValueError, match="depth must be an integer >= 1, got 0"):
         unroll_mask(4, 0)
 
 
@@ -172,7 +172,7 @@ def test_training_with_depth_lowers_the_second_tokens_kl(target, records):
     b = head_recipe.evaluate_head(ttt, records, rules_, depth=2)
     assert b["kl@2"].mean() < a["kl@2"].mean() < before["kl@2"].mean()
     assert a["kl"].mean() < before["kl"].mean() and b["kl"].mean() < before["kl"].mean()
-    with pytest.raises(ValueError, match="depth must be an int >= 1"):
+    with pytest.raises(ValueError, match="depth must be an integer >= 1, got 0"):
         train_head_on_records(_head(target), records, Objective("kl"), rule_names=rules_,
                               steps=1, depth=0)  # fmt: skip
     with pytest.raises(ValueError, match="decay must be in"):
@@ -211,12 +211,12 @@ def test_evaluate_head_by_depth_against_a_direct_count(target, records):
         np.testing.assert_allclose(got["accepted@3"][i], np.mean(counts), rtol=1e-12)
         np.testing.assert_allclose([got["agreement@2"][i], got["agreement@3"][i]], hits)
         np.testing.assert_allclose([got["kl@2"][i], got["kl@3"][i]], kls, rtol=1e-5)
-    with pytest.raises(ValueError, match="depth must be >= 1"):
+    with pytest.raises(ValueError, match="depth must be an integer >= 1, got 0"):
         head_recipe.evaluate_head(head, records, rules_, depth=0)
 
 
 def test_ttt_depth_setting_is_checked_and_keyed(records):
-    with pytest.raises(ValueError, match="ttt_depth must be >= 1"):
+    with pytest.raises(ValueError, match="ttt_depth must be an integer >= 1, got 0"):
         head_recipe.HeadSettings(ttt_depth=0)
     objective = Objective("kl")
     key1 = head_recipe.run_key(records, objective, 0, head_recipe.HeadSettings(), None)

@@ -27,6 +27,7 @@ import optax
 from flax import nnx, struct
 
 from jaxcert import losses
+from jaxcert.base.validate import check_int
 from jaxcert.core import rules as rules_lib
 from jaxcert.decoding.protocols import context_before
 from jaxcert.models import EagleHead, Transformer
@@ -208,8 +209,8 @@ def unroll_mask(length: int, depth: int) -> np.ndarray:
     Raises:
       ValueError: ``length`` or ``depth`` below 1.
     """
-    if length < 1 or depth < 1:
-        raise ValueError(f"length and depth must be >= 1, got {length}, {depth}")
+    check_int("length", length)
+    check_int("depth", depth)
     t = np.arange(length)
     rows = []
     for k in range(depth):
@@ -241,8 +242,7 @@ def unrolled_features(
     Raises:
       ValueError: ``depth`` below 1.
     """
-    if depth < 1:
-        raise ValueError(f"depth must be >= 1, got {depth}")
+    check_int("depth", depth)
     b, t = tokens.shape
     contexts = [context_before(head, states)]
     if depth == 1:
@@ -347,9 +347,10 @@ def window_loss(
             c = cert[..., rule_index]
             hinge = jnp.where(jnp.isfinite(c), jax.nn.relu(kl[k] - c + objective.margin), 0.0)
             violation = mean(hinge)
-        loss = mean(kl[k]) + objective.weight * violation + objective.tv_weight * mean(tv[k])
+        kl_k, tv_k = mean(kl[k]), mean(tv[k])
+        loss = kl_k + objective.weight * violation + objective.tv_weight * tv_k
         total, weights = total + decay**k * loss, weights + decay**k
-        terms.append((mean(kl[k]), violation, mean(tv[k])))
+        terms.append((kl_k, violation, tv_k))
     return total / weights, terms[0]
 
 
@@ -412,8 +413,7 @@ def train_head_on_records(
 
     from jaxcert.models.eagle import load_head, save_head
 
-    if not isinstance(depth, int) or depth < 1:
-        raise ValueError(f"depth must be an int >= 1, got {depth!r}")
+    check_int("depth", depth)
     if not 0.0 < decay <= 1.0:
         raise ValueError(f"decay must be in (0, 1], got {decay}")
     rule_index = None

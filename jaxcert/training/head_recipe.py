@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from jaxcert.base import prompts
+from jaxcert.base.validate import check_int
 from jaxcert.core import rules as rules_lib
 from jaxcert.training import head_data
 from jaxcert.training.evaluation import decoder_acceptance_by_prompt
@@ -100,8 +101,7 @@ class HeadSettings:
     def __post_init__(self) -> None:
         if self.data not in ("replies", "greedy"):
             raise ValueError(f"data must be 'replies' or 'greedy', got {self.data!r}")
-        if self.ttt_depth < 1:
-            raise ValueError(f"ttt_depth must be >= 1, got {self.ttt_depth}")
+        check_int("ttt_depth", self.ttt_depth)
 
 
 def head_objectives(weight: float = 1.0, margin: float = 0.0) -> tuple[Objective, ...]:
@@ -339,8 +339,7 @@ def evaluate_head(
     Raises:
       ValueError: ``depth`` below 1.
     """
-    if depth < 1:
-        raise ValueError(f"depth must be >= 1, got {depth}")
+    check_int("depth", depth)
     terms = _jitted_window_terms(depth)
     out: dict[str, list[float]] = {"kl": [], "tv": [], "agreement": []}
     for r in rule_names:
@@ -431,8 +430,7 @@ def evaluate_heads(
       ValueError: ``depth`` below 1; no head or no store; a head whose taps are not the
         store's (its features would be other blocks' states).
     """
-    if depth < 1:
-        raise ValueError(f"depth must be >= 1, got {depth}")
+    check_int("depth", depth)
     groups = {name: list(h) if isinstance(h, Sequence) else [h] for name, h in heads.items()}
     if not groups or not stores or not all(groups.values()):
         raise ValueError("evaluate_heads needs at least one head and one held-out store")
