@@ -12,8 +12,10 @@
 #   4. the decoder's passes on the GPU: the 1.5B target's pass time by width at batch 1 and 8
 #      and the 0.5B drafter's step (random weights of their shapes from scripts/shapes/, in
 #      bfloat16: the weights cannot travel to such a machine), i.e. the cost model `goodput`
-#      calibrates there and target-only tokens/s; a draft head's cost per drafted token; and
-#      the decoder's n-gram and goodput tests (tiny models) on the GPU.
+#      calibrates there and target-only tokens/s; a draft head's cost per drafted token;
+#      target-only, the 0.5B drafter and an EAGLE-3 head decoding at batch 1 and 8
+#      (bench_decode_device.py: tokens/s measured, speedups projected at the CPU benchmark's
+#      tokens per round); and the decoder's n-gram and goodput tests (tiny models) on the GPU.
 # Arguments: the sections to run (certify, tests, sharding, decode); none: all of them.
 # WHEELS: a folder of wheels to install first (e.g. gguf, which such a machine lacks).
 set -uo pipefail
@@ -76,6 +78,9 @@ python3 scripts/bench_pass_width.py --random-weights --dtype bfloat16 \
 echo "== draft head cost (float32, batch 1)"
 python3 scripts/bench_head_cost.py --json "$OUT/head_cost_gpu.json" 2>&1 \
   | tee "$OUT/head_cost_gpu.txt"
+echo "== decoding: target only, the 0.5B drafter and a draft head (bfloat16, batch 1 and 8)"
+python3 scripts/bench_decode_device.py --dtype bfloat16 --batch-sizes 1,8 \
+  --json "$OUT/decode_gpu.json" 2>&1 | tee "$OUT/decode_gpu.txt"
 echo "== decoder tests on the GPU (n-gram drafting, goodput)"
 gpu_pytest 300 tests/decoding/test_ngram.py tests/decoding/test_goodput.py | tail -8 \
   | tee "$OUT/tests_decode_gpu.txt"
