@@ -115,6 +115,23 @@ def cpu_rows(path: pathlib.Path) -> dict[tuple[str, str], dict]:
     return found
 
 
+def parse_taps(text: str, num_layers: int) -> tuple[int, ...]:
+    """``--taps`` as distinct block indices of the target, checked before any model is built.
+
+    Raises:
+      ValueError: not comma-separated integers, repeated, or outside ``[0, num_layers)``.
+    """
+    try:
+        taps = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--taps must be comma-separated block indices, got {text!r}") from None
+    if len(set(taps)) != len(taps) or not all(0 <= t < num_layers for t in taps):
+        raise ValueError(
+            f"--taps must be distinct target blocks in [0, {num_layers}), got {text!r}"
+        )
+    return taps
+
+
 def draft_length(setup: Setup, cpu_row: dict) -> int:
     """K of the setup's ``constant:K``: the CPU row's own if constant, else its mean drafted
     tokens a round, rounded (at least 1)."""
@@ -202,7 +219,7 @@ def main(argv=None) -> int:
             taps, draft = (1, 4, 6), t_config.vocab_size // 4
         else:
             t_config, d_config = read_shape(args.model), read_shape(args.drafter)
-            taps, draft = tuple(int(x) for x in args.taps.split(",")), args.draft_vocab
+            taps, draft = parse_taps(args.taps, t_config.num_layers), args.draft_vocab
         batches = [positive(x) for x in args.batch_sizes.split(",")]
         dt = jnp.dtype(args.dtype)
         target = models.Transformer(t_config, rngs=nnx.Rngs(0), dtype=dt, param_dtype=dt)

@@ -88,3 +88,10 @@ def test_acceptance_that_is_not_json_is_refused(script, tmp_path, capsys):
     with pytest.raises(SystemExit):
         script.main(["--tiny", "--acceptance", str(bad)])
     assert "not a bench_decode.py JSON" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("taps", ["2,x", "2,2", "2,28", "-1"])
+def test_bad_taps_are_named_before_a_model_is_built(script, taps):
+    with pytest.raises(ValueError, match="--taps must be"):
+        script.parse_taps(taps, 28)
+    assert script.parse_taps("2,14,25", 28) == (2, 14, 25)
