@@ -30,6 +30,7 @@ __all__ = [
     "ProposingDrafter",
     "context_before",
     "reads_target",
+    "shifted_right",
 ]
 
 
@@ -140,8 +141,15 @@ def context_before(head: _Fuses, target_states: jax.Array) -> jax.Array:
       head: the draft head (its :meth:`FeatureDrafter.fuse`).
       target_states: ``[B, T, C]`` the target's states after reading each token.
     """
-    fused = head.fuse(target_states)  # [B, T, E]
-    return jnp.concatenate([jnp.zeros_like(fused[:, :1]), fused[:, :-1]], axis=1)
+    return shifted_right(head.fuse(target_states))  # [B, T, E]
+
+
+def shifted_right(features: jax.Array) -> jax.Array:
+    """``[B, T, E]`` features moved one position later: row ``t`` holds row ``t - 1``, row 0
+    zeros. What a head reads at ``t`` is the feature of ``t - 1``: the fused target states
+    (:func:`context_before`) or, in training-time test, its own earlier pass's hidden state
+    (``jaxcert.training.eagle.unrolled_features``)."""
+    return jnp.concatenate([jnp.zeros_like(features[:, :1]), features[:, :-1]], axis=1)
 
 
 def reads_target(model: object) -> bool:

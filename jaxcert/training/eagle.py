@@ -29,7 +29,7 @@ from flax import nnx, struct
 from jaxcert import losses
 from jaxcert.base.validate import check_int
 from jaxcert.core import rules as rules_lib
-from jaxcert.decoding.protocols import context_before
+from jaxcert.decoding.protocols import context_before, shifted_right
 from jaxcert.models import EagleHead, Transformer
 from jaxcert.models.eagle import TRAINABLE
 from jaxcert.models.transformer import lm_head_logits
@@ -260,8 +260,7 @@ def unrolled_features(
             attention_mask=mask,
         )
         hidden = hidden.reshape(b, k, t, -1)
-        last = hidden[:, k - 1]
-        contexts.append(jnp.concatenate([jnp.zeros_like(last[:, :1]), last[:, :-1]], axis=1))
+        contexts.append(shifted_right(hidden[:, k - 1]))
     return jnp.moveaxis(hidden, 1, 0)
 
 
