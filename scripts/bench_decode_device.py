@@ -1,8 +1,8 @@
 """Decode speed of target-only, the 0.5B drafter and a draft head where their weights cannot go.
 
 Built for ``scripts/device_check.sh``: an accelerator machine that the real checkpoints
-cannot reach. The models are built from their configs alone (``scripts/shapes/``, a folder
-with a ``config.json``, or a cached asset's name) with random weights in ``--dtype``; the
+cannot reach. The models are built from their configs alone (``models.read_config``: by
+default the kept shapes in ``scripts/shapes/``) with random weights in ``--dtype``; the
 head is an EAGLE-3 head over the target with the trained head's taps and draft vocabulary
 size (``--taps``, ``--draft-vocab``). Prompts are random token ids.
 
@@ -81,16 +81,6 @@ def tiny_configs() -> tuple[models.ModelConfig, models.ModelConfig]:
     return target, dataclasses.replace(target, num_layers=2, hidden_size=32, head_dim=8)
 
 
-def read_shape(name: str) -> models.ModelConfig:
-    """The config of ``name``: a kept shape in ``scripts/shapes/``, else ``models.read_config``.
-
-    Raises:
-      ValueError: neither can read it (named by ``models.read_config``).
-    """
-    kept = SHAPES / name / "config.json"
-    return models.read_config(kept.parent if kept.is_file() else name)
-
-
 def cpu_rows(path: pathlib.Path) -> dict[tuple[str, str], dict]:
     """The batch-1, T = 0 rows of a ``bench_decode.py`` JSON that the setups read.
 
@@ -166,9 +156,7 @@ def measure(
     for s in SETUPS:
         cpu = accept[(s.cpu_shape, s.cpu_policy)]
         k = draft_length(s, cpu)
-        config = decoding.DecodeConfig(
-            verification=s.shape, max_new_tokens=new_tokens, max_draft=max(k, 1)
-        )
+        config = decoding.DecodeConfig(verification=s.shape, max_new_tokens=new_tokens, max_draft=k)
         model = drafter if s.drafter == "lm" else head
         policy = policies.parse_policy(f"constant:{k}")
         out, secs = _timed(
@@ -199,8 +187,14 @@ def measure(
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct", help="target's config")
-    p.add_argument("--drafter", default="qwen2.5-coder-0.5b-instruct", help="drafter's config")
+    p.add_argument(
+        "--model",
+        default=str(SHAPES / "qwen2.5-coder-1.5b-instruct"),
+        help="the target's config (a folder, .gguf file or asset name)",
+    )
+    p.add_argument(
+        "--drafter", default=str(SHAPES / "qwen2.5-coder-0.5b-instruct"), help="its config"
+    )
     p.add_argument("--tiny", action="store_true", help="tiny configs (a sanity run, seconds)")
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--taps", default="2,14,25", help="the head's target blocks (tiny: 1,4,6)")
@@ -218,7 +212,7 @@ def main(argv=None) -> int:
             t_config, d_config = tiny_configs()
             taps, draft = (1, 4, 6), t_config.vocab_size // 4
         else:
-            t_config, d_config = read_shape(args.model), read_shape(args.drafter)
+            t_config, d_config = models.read_config(args.model), models.read_config(args.drafter)
             taps, draft = parse_taps(args.taps, t_config.num_layers), args.draft_vocab
         batches = [positive(x) for x in args.batch_sizes.split(",")]
         dt = jnp.dtype(args.dtype)

@@ -95,3 +95,10 @@ def test_bad_taps_are_named_before_a_model_is_built(script, taps):
     with pytest.raises(ValueError, match="--taps must be"):
         script.parse_taps(taps, 28)
     assert script.parse_taps("2,14,25", 28) == (2, 14, 25)
+
+
+def test_default_configs_are_the_kept_shapes(script, capsys):
+    # the 1.5B's kept config (28 blocks) is read before the taps are checked against it
+    with pytest.raises(SystemExit):
+        script.main(["--taps", "2,28"])
+    assert "--taps must be distinct target blocks in [0, 28), got '2,28'" in capsys.readouterr().err
