@@ -390,12 +390,11 @@ def speculative_decode(
         wall time of its own calls (:class:`~jaxcert.decoding.costs.CostTracker`; a
         calibration times the passes alone, a round also pays for acceptance, statistics
         and the host's calls). Default (``None``): correct costs calibrated here, keep
-        ``costs`` given by the caller as they are. Never for a draft head, whose skipped
-        rounds run inside the round loop, nor across processes (each would time its own
-        calls, and the costs are one replicated value). A decode that corrects its costs
-        and has drafted but not yet skipped runs one call of plain steps (up to
-        ``max_skip``) to time them, so that a calibration that overstates a plain step is
-        corrected too. What a decode's drafting produced is kept with costs calibrated
+        ``costs`` given by the caller as they are. Never across processes (each would
+        time its own calls, and the costs are one replicated value). A decode that
+        corrects its costs and has drafted but not yet skipped runs one call of plain steps
+        (up to ``max_skip``) to time them, so that a calibration that overstates a plain
+        step is corrected too. What a decode's drafting produced is kept with costs calibrated
         here, and the next decode at this batch size and sampling mode starts from it
         (``docs/goodput.md``, "What earlier decodes measured"); when it says the decode
         will not draft at all, the decode runs as :func:`target_decode` (the drafter does
@@ -492,6 +491,7 @@ def speculative_decode(
             "graphdef": t_graphdef,
             "steps": static.skips,
             "sampling": static.verification.sampling,
+            "taps": static.head_taps,  # a draft head's context gains each step's states
         }
         if looks:
             steps_kw |= look_kw | {"config": static}

@@ -13,9 +13,10 @@ The verification pass has a static width, but the drafted depth varies: the pass
 holds every row's drafted nodes, so a 3-token draft is not scored at ``K_max + 1`` positions;
 width 0 (no row drafted anything) is a plain target step. With ``DecodeConfig.max_skip > 0``
 a round may also skip the drafter altogether (``goodput``'s choice): the target steps alone
-and the drafter catches up in its next, wider re-read. For a draft head that step is a round
-of the loop (:func:`_plain_round`); for every other drafter the loop stops before it and the
-host runs the steps in the target-only program (:func:`hands_off`).
+and the drafter catches up in its next, wider re-read. The loop stops before such a round and
+the host runs the steps in the target-only program (:func:`hands_off`,
+:func:`run_target_steps`), which for a draft head also records the target's states it will
+read.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from jaxcert.decoding import tree as tree_lib
 from jaxcert.decoding.config import DecodeConfig, Sizes
 from jaxcert.decoding.draft import draft
 from jaxcert.decoding.protocols import Cache, context_before
-from jaxcert.decoding.state import DecodeState, DraftTree, RoundStats, Settings
+from jaxcert.decoding.state import DecodeState, RoundStats, Settings
 from jaxcert.decoding.verify import in_accepted_set, sample_tree, sampling_log_probs
 from jaxcert.models.sharding import constrain
 from jaxcert.models.transformer import decode_step
@@ -292,12 +293,12 @@ def _verify(nb, operands, *, t_graphdef, config):
 
 def hands_off(config: DecodeConfig) -> bool:
     """Whether ``goodput``'s plain target steps run in the target-only program
-    (:func:`run_target_steps`, between calls of :func:`run_rounds`) rather than as rounds of
-    the speculative loop: for every drafter but a draft head, whose context needs the
-    target's state at each skipped token. A plain round inside the speculative loop cost
-    about 7% more than a target-only step (1.5B target, 2 CPU cores); the hand-off makes a
-    skipped step cost what target-only decoding pays."""
-    return config.skips > 0 and config.head_taps is None
+    (:func:`run_target_steps`, between calls of :func:`run_rounds`): whenever the policy may
+    skip (``max_skip > 0``). A plain round inside the speculative loop cost about 7% more
+    than a target-only step (1.5B target, 2 CPU cores); the hand-off makes a skipped step
+    cost what target-only decoding pays. A draft head's context, the target's state at each
+    skipped token, is recorded by the target-only program (its ``taps``)."""
+    return config.skips > 0
 
 
 def _proposal(d_graphdef, d_params, state: DecodeState) -> policies_lib.DrafterFeatures:
@@ -339,48 +340,6 @@ def skip_next(
     :func:`hands_off` configurations); a proposing drafter's ``d_graphdef`` and
     ``d_params`` are needed to read its proposal."""
     return _skip_next(policy, state, config, d_graphdef, d_params)
-
-
-def _round(t_graphdef, t_params, d_graphdef, d_params, policy, state: DecodeState, config):
-    """One round: speculative, or (``goodput``, when it predicts a plain target step is
-    faster) a target step without the drafter. With :func:`hands_off` the loop stops
-    before a round that would skip, so every round it runs drafts."""
-    if config.skips == 0 or hands_off(config):
-        return _speculative_round(t_graphdef, t_params, d_graphdef, d_params, policy, state, config)
-    return lax.cond(
-        _skip_next(policy, state, config, d_graphdef, d_params),
-        functools.partial(_plain_round, t_graphdef, t_params, policy, config=config),
-        functools.partial(
-            _speculative_round, t_graphdef, t_params, d_graphdef, d_params, policy,
-            config=config,
-        ),
-        state,
-    )  # fmt: skip
-
-
-def _plain_round(t_graphdef, t_params, policy, state: DecodeState, *, config):
-    """A target step inside the round loop: the drafter does not run (its cache and
-    re-read start stay; it catches up in its next re-read)."""
-    key, _, k_verify = jax.random.split(state.key, 3)
-    assert state.drafter_cache is not None and state.policy is not None
-    b, n = state.length.shape[0], config.num_nodes
-    zeros = jnp.zeros((b, n), jnp.int32)
-    tree = DraftTree(
-        tokens=zeros, parent=zeros, depth=zeros, rank=zeros,
-        valid=jnp.zeros((b, n), bool), q_index=zeros,
-        q_logits=jnp.zeros((b, 1, 1), jnp.float32),
-    )  # fmt: skip
-    operands = (
-        t_params,
-        state.target_cache,
-        tree,
-        state.tokens,
-        state.length,
-        k_verify,
-        state.settings,
-    )
-    verified = _verify(0, operands, t_graphdef=t_graphdef, config=config)
-    return _commit(state, config, policy, key, tree, state.drafter_cache, verified, skipped=True)
 
 
 def _speculative_round(
@@ -425,13 +384,11 @@ def _speculative_round(
     return _commit(state, config, policy, key, tree, d_cache, verified)
 
 
-def _commit(state, config, policy, key, tree, d_cache, verified, skipped=False):
+def _commit(state, config, policy, key, tree, d_cache, verified):
     """Appends the accepted path and the target token; rolls caches to the kept path.
 
     ``verified`` is what :func:`_verify` returns: the target cache, accepted counts, new
-    tokens, accepted-path offsets and node statistics. ``skipped``: the round ran without
-    the drafter (static), which then keeps its re-read start, and a head's context gains
-    the target's state before the new token.
+    tokens, accepted-path offsets and node statistics.
     """
     t_cache, accepted, new, offsets, path_states, ns = verified
     active = ~state.done
@@ -454,33 +411,25 @@ def _commit(state, config, policy, key, tree, d_cache, verified, skipped=False):
     length = state.length + count
     finished = has_eos | (length - state.prompt_length >= settings.max_new_tokens)
     depth = jnp.max(jnp.where(tree.valid, tree.depth, 0), axis=-1)
-    context = state.drafter_context
-    if skipped:
-        start = state.drafter_start
-        if path_states is not None:  # the new token at `state.length` reads the root's state
-            at = jnp.where(active, state.length - start, context.shape[1])
-            context = context.at[rows, at].set(path_states[:, 0], mode="drop")
-        rows = jnp.sum(active, dtype=jnp.int32)
-        policy_state = policies_lib.skipped_round(state.policy, rows=rows)
+    if isinstance(config.tree, tree_lib.Chain) and config.head_taps is None:
+        # After a rejection the drafter already read every kept token but the target's.
+        start = jnp.where(accepted < depth, length - 1, length - 2)
     else:
-        if isinstance(config.tree, tree_lib.Chain) and config.head_taps is None:
-            # After a rejection the drafter already read every kept token but the target's.
-            start = jnp.where(accepted < depth, length - 1, length - 2)
-        else:
-            start = state.length  # re-read the accepted path and the target's token
-        start = jnp.where(active, start, state.drafter_start)
-        if path_states is not None:
-            pad = context.shape[1] - path_states.shape[1]  # room for skipped rounds' states
-            path_states = jnp.pad(path_states, ((0, 0), (0, pad), (0, 0)))
-            context = jnp.where(active[:, None, None], path_states, context)
-        tested = ns.valid & ns.reached & (ns.rank == 0)  # first choices the target tested
-        match = None
-        if config.proposes_tokens:  # each proposal's logit is its match length
-            match = policies_lib.tree_match_counts(tree, tested, ns.accepted)
-        policy_state = policies_lib.update_policy_state(
-            policy, state.policy, drafted=depth, accepted=accepted, active=active,
-            predicted=policies_lib.tested_estimate(policy, ns.q_cert, tested), match=match,
-        )  # fmt: skip
+        start = state.length  # re-read the accepted path and the target's token
+    start = jnp.where(active, start, state.drafter_start)
+    context = state.drafter_context
+    if path_states is not None:
+        pad = context.shape[1] - path_states.shape[1]  # room for skipped steps' states
+        path_states = jnp.pad(path_states, ((0, 0), (0, pad), (0, 0)))
+        context = jnp.where(active[:, None, None], path_states, context)
+    tested = ns.valid & ns.reached & (ns.rank == 0)  # first choices the target tested
+    match = None
+    if config.proposes_tokens:  # each proposal's logit is its match length
+        match = policies_lib.tree_match_counts(tree, tested, ns.accepted)
+    policy_state = policies_lib.update_policy_state(
+        policy, state.policy, drafted=depth, accepted=accepted, active=active,
+        predicted=policies_lib.tested_estimate(policy, ns.q_cert, tested), match=match,
+    )  # fmt: skip
     new_state = state.replace(
         tokens=tokens,
         length=length,
@@ -548,7 +497,9 @@ def run_rounds(
 
     def body(carry):
         r, state, buffers = carry
-        state, rs = _round(t_graphdef, t_params, d_graphdef, d_params, policy, state, config)
+        state, rs = _speculative_round(
+            t_graphdef, t_params, d_graphdef, d_params, policy, state, config
+        )
         buffers = jax.tree.map(lambda buf, x: buf.at[r].set(x), buffers, rs)
         return r + 1, _pin(state, layout), buffers
 
@@ -574,7 +525,7 @@ def prefill_target(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "steps", "sampling", "d_graphdef", "config"),
+    static_argnames=("graphdef", "steps", "sampling", "d_graphdef", "config", "taps"),
     donate_argnames=("state",),
 )
 def run_target_steps(
@@ -588,9 +539,17 @@ def run_target_steps(
     sampling: bool,
     d_graphdef: nnx.GraphDef | None = None,
     config: DecodeConfig | None = None,
+    taps: tuple[int, ...] | None = None,
 ) -> DecodeState:
     """Up to ``steps`` target-only decoding steps: greedy, or sampled with ``sampling`` at
     the state's (traced) temperature and top-p; budget and end tokens from its settings.
+
+    With a draft head's ``taps`` (``DecodeConfig.head_taps``, static) each step also
+    records the target's states at the token it reads into the head's context
+    (``state.drafter_context``, slot ``length - drafter_start``: the state before the new
+    token), so the head's next re-read reads every skipped token with the state before it,
+    as a teacher-forced head does. A slot past the context's width (a batch that skipped
+    more than ``max_skip`` steps in a row, and so never drafts again) is dropped.
 
     With a proposing drafter (``d_graphdef``, ``d_params``, the ``goodput`` ``policy`` and
     the speculative ``config``), the steps stop before one where a row's proposal is worth
@@ -614,7 +573,17 @@ def run_target_steps(
         active = ~state.done
         key, sub = jax.random.split(state.key)
         last = state.tokens[rows, state.length - 1]
-        logits, cache = decode_step(graphdef, params, last, state.target_cache, active)
+        context = state.drafter_context
+        if taps is None:
+            logits, cache = decode_step(graphdef, params, last, state.target_cache, active)
+        else:
+            assert context is not None  # a draft head's state
+            logits, cache, states = _target_pass(
+                graphdef, params, last[:, None], state.target_cache, taps
+            )
+            logits, cache = logits[:, 0], cache.commit(active.astype(jnp.int32))
+            at = jnp.where(active, state.length - state.drafter_start, context.shape[1])
+            context = context.at[rows, at].set(states[:, 0].astype(context.dtype), mode="drop")
         if sampling:
             lp = sampling_log_probs(logits, settings.temperature, settings.top_p)
             token = jax.random.categorical(sub, lp, axis=-1).astype(jnp.int32)
@@ -632,6 +601,7 @@ def run_target_steps(
             length=length,
             done=state.done | (active & finished),
             target_cache=cache,
+            drafter_context=context,
             key=key,
             rounds=state.rounds + step,
         )

@@ -118,6 +118,33 @@ out["greedy"] = [t.tolist() for t in greedy.tokens]
 print(json.dumps(out))
 """
 
+_HEAD_GOODPUT_SNIPPET = """
+from flax import nnx
+mesh = jax.make_mesh((4,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:4])
+placed = models.shard(target, mesh)
+head = models.EagleHead.from_target(target, rngs=nnx.Rngs(2), taps=(0, 1))
+prompts = [[5, 17, 3, 44, 9], [1, 2, 3, 4, 5, 6, 7, 8, 9], [30, 12, 7], [8, 8, 1, 60]]
+costs = decoding.PassCosts(rows=4, target_s={1: 1.0, 2: 1.2, 8: 2.0}, drafter_s=0.5)
+out = {}
+for name, model in (("one", target), ("mesh", placed)):
+    config = decoding.DecodeConfig(
+        verification="greedy", max_new_tokens=12, max_draft=3, max_skip=2
+    )
+    got = decoding.speculative_decode(
+        model, head, prompts, config=config, prompt_width=9, costs=costs,
+        policy=decoding.Goodput(beta=0.01, patience=0),
+    )
+    out[name] = [t.tolist() for t in got.tokens]
+    out[name + "/rounds"] = got.rounds.tolist()
+    out[name + "/drafted"] = got.stats.drafted.tolist()
+    out[name + "/active"] = got.stats.active.tolist()
+    ns = got.stats.nodes
+    out[name + "/kl"] = np.where(ns.valid, ns.kl, 0.0).tolist()
+greedy = decoding.target_decode(target, prompts, max_new_tokens=12, prompt_width=9)
+out["greedy"] = [t.tolist() for t in greedy.tokens]
+print(json.dumps(out))
+"""
+
 
 def _check(report):
     assert report["tokens"] == report["greedy"] == report["greedy_mesh"]
@@ -194,3 +221,18 @@ def test_batch_sharded_target_with_the_ngram_drafter_and_goodput_decodes_like_on
     for policy in ("constant:3", "goodput"):
         assert report[f"one/{policy}"] == report[f"mesh/{policy}"] == report["greedy"]
         assert report[f"one/{policy}/rounds"] == report[f"mesh/{policy}/rounds"]
+
+
+@pytest.mark.slow
+def test_batch_sharded_target_with_an_eagle_head_and_goodput_decodes_like_one_device():
+    """goodput skips and drafts alike on the mesh and on one device; the skipped steps run
+    in the target-only program, which hands the head the target's states sharded like
+    its context (split over the batch)."""
+    report = run(_PRELUDE + _HEAD_GOODPUT_SNIPPET)
+    assert report["one"] == report["mesh"] == report["greedy"]
+    assert report["one/rounds"] == report["mesh/rounds"]
+    drafted = np.asarray(report["one/drafted"])
+    assert drafted.tolist() == report["mesh/drafted"]
+    drafted = drafted[np.asarray(report["one/active"])]
+    assert np.any(drafted == 0) and np.any(drafted > 0)  # skipped steps and drafting rounds
+    np.testing.assert_allclose(report["one/kl"], report["mesh/kl"], atol=1e-5)

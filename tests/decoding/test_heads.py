@@ -18,7 +18,7 @@ from flax import nnx, struct
 from tiny_decoding import CONFIG, MAX_NEW, PROMPTS, random_model
 
 from jaxcert import decoding
-from jaxcert.decoding.protocols import FeatureDrafter, reads_target
+from jaxcert.decoding.protocols import FeatureDrafter, context_before, reads_target
 from jaxcert.models import EagleHead
 
 V, E = CONFIG.vocab_size, CONFIG.hidden_size
@@ -248,3 +248,41 @@ def test_a_head_fusing_a_block_the_target_lacks_is_named(target):
             target, ContextHead((0, 7)), PROMPTS, config=_config("greedy"),
             policy=decoding.Constant(k=2),
         )  # fmt: skip
+
+
+def test_an_eagle_heads_drafts_after_skipped_steps_equal_teacher_forcing(target, want):
+    """``goodput``'s plain steps run in the target-only program, which records the target's
+    tapped states for the head: when it drafts again, the head re-reads every skipped token
+    with the state before it, so its cache (attention over all earlier tokens) is the
+    teacher-forced one. Every root draft's recorded ``KL(p || q)`` equals the KL of a head
+    run teacher-forced over the final text."""
+    taps = (0, 1)
+    head = EagleHead.from_target(target, rngs=nnx.Rngs(4), taps=taps)
+    policy, costs = _SKIPPING
+    out = decoding.speculative_decode(
+        target, head, PROMPTS, config=_config("greedy", max_skip=2), policy=policy, costs=costs
+    )
+    for got, w in zip(out.tokens, want, strict=True):
+        np.testing.assert_array_equal(got, w)
+    s = out.stats
+    after_skip = 0
+    for b, prompt in enumerate(PROMPTS):
+        seq = list(prompt) + list(out.tokens[b])
+        p_logits, states = _teacher_forced(target, seq, taps)
+        tokens = jnp.asarray(seq, jnp.int32)[None]
+        hidden, _ = head.features(
+            tokens, head.init_cache(1, len(seq)), context=context_before(head, states[None])
+        )
+        q_logits = np.asarray(head.project(hidden)[0], np.float64)
+        n = len(prompt)
+        for r in range(s.active.shape[0]):
+            if not s.active[r, b]:
+                continue
+            if s.nodes.valid[r, b, 0]:
+                after_skip += bool(r > 0 and s.drafted[r - 1, b] == 0)
+                np.testing.assert_allclose(
+                    s.nodes.kl[r, b, 0], _kl(p_logits[n - 1], q_logits[n - 1]), rtol=1e-4,
+                    atol=1e-4,
+                )  # fmt: skip
+            n += int(s.emitted[r, b])
+    assert after_skip > 0

@@ -76,12 +76,18 @@ def test_sampling_with_the_ngram_drafter_matches_target_distribution(small_pair,
     _check_sampling(target, decoding.NgramDrafter(2), verify, 1.0, 1.0, prompt=prompt)
 
 
-def test_sampling_with_goodput_matches_target_distribution(small_pair):
-    """Rounds that skip the drafter (plain sampled target steps), rounds that draft nothing
-    and rounds that draft, mixed in one batch: still the target's distribution."""
+@pytest.mark.parametrize("drafter", ["model", "eagle3-head"])
+def test_sampling_with_goodput_matches_target_distribution(small_pair, drafter):
+    """Rounds that skip the drafter (plain sampled target steps, in the target-only
+    program; for a head it records the target's states the head reads next), rounds that
+    draft nothing and rounds that draft, mixed in one batch: still the target's
+    distribution."""
+    target, model = small_pair
+    if drafter == "eagle3-head":
+        model = EagleHead.from_target(target, rngs=nnx.Rngs(3), taps=(0, 1))
     costs = decoding.PassCosts(rows=ROWS, target_s={1: 1.0, 2: 1.2, 8: 2.0}, drafter_s=0.5)
     out = _check_sampling(
-        *small_pair, "sample", 1.0, 1.0, policy=decoding.Goodput(beta=0.01, patience=0),
+        target, model, "sample", 1.0, 1.0, policy=decoding.Goodput(beta=0.01, patience=0),
         costs=costs,
         max_skip=1,
     )  # fmt: skip
