@@ -111,6 +111,16 @@ class ModelConfig:
         if not isinstance(self.eos_token_ids, tuple):
             raise ValueError(f"eos_token_ids must be a tuple, got {self.eos_token_ids!r}.")
 
+    @classmethod
+    def tiny(cls, **overrides: Any) -> ModelConfig:
+        """A tiny qwen2 shape (8 blocks of width 64, 512 tokens) for a benchmark script's
+        sanity run (``--tiny``), with ``overrides`` replacing fields."""
+        fields = dict(
+            architecture="qwen2", vocab_size=512, hidden_size=64, intermediate_size=128,
+            num_layers=8, num_heads=4, num_kv_heads=2, head_dim=16, qkv_bias=True,
+        )  # fmt: skip
+        return cls(**(fields | overrides))
+
     @property
     def queries_per_kv_head(self) -> int:
         """J = H // G, query heads sharing one key/value head."""

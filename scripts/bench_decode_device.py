@@ -74,11 +74,8 @@ SETUPS = (
 
 def tiny_configs() -> tuple[models.ModelConfig, models.ModelConfig]:
     """A tiny target (8 blocks) and drafter (2 blocks) of one vocabulary: a sanity run."""
-    target = models.ModelConfig(
-        architecture="qwen2", vocab_size=512, hidden_size=64, intermediate_size=128,
-        num_layers=8, num_heads=4, num_kv_heads=2, head_dim=16, qkv_bias=True,
-    )  # fmt: skip
-    return target, dataclasses.replace(target, num_layers=2, hidden_size=32, head_dim=8)
+    target = models.ModelConfig.tiny()
+    return target, models.ModelConfig.tiny(num_layers=2, hidden_size=32, head_dim=8)
 
 
 def cpu_rows(path: pathlib.Path) -> dict[tuple[str, str], dict]:

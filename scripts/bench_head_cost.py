@@ -34,17 +34,6 @@ from jaxcert.base import assets
 
 # The default models' shapes (config.json alone), for a machine where they are not cached.
 SHAPES = pathlib.Path(__file__).resolve().parent / "shapes"
-TINY = models.ModelConfig(
-    architecture="qwen2",
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_layers=8,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    qkv_bias=True,
-)
 
 
 def target_config(name: str, tiny: bool) -> tuple[models.ModelConfig, str]:
@@ -54,7 +43,7 @@ def target_config(name: str, tiny: bool) -> tuple[models.ModelConfig, str]:
       SystemExit: ``name`` is neither cached nor kept in ``scripts/shapes/``.
     """
     if tiny:
-        return TINY, "tiny"
+        return models.ModelConfig.tiny(), "tiny"
     path = assets.cached_path(name) if name in assets.ASSETS else None
     if path is not None:
         return models.read_config(path), f"asset {name}"

@@ -30,14 +30,17 @@ _OBJECTIVES = ("kl", "kl+tv")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from jaxcert.cli.argtypes import positive, positive_float
+    from jaxcert.cli.argtypes import positive, positive_float, unit_float
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--head", type=pathlib.Path, required=True, help="the saved head to start from")
     p.add_argument("--store", type=pathlib.Path, required=True, help="a record store folder")
     p.add_argument("--depth", type=positive, default=1, help="drafted tokens a round (default 1)")
     p.add_argument(
-        "--decay", type=float, default=0.8, help="weight decay**k of pass k (default 0.8)"
+        "--decay",
+        type=unit_float,
+        default=0.8,
+        help="weight decay**k of pass k, in (0, 1] (default 0.8)",
     )
     p.add_argument("--objective", choices=_OBJECTIVES, default="kl+tv")
     p.add_argument("--steps", type=positive, default=40)
@@ -48,10 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="batch order (default 0)")
     p.add_argument("--every", type=positive, default=10, help="steps between checkpoints")
     p.add_argument("--out", type=pathlib.Path, required=True, help="checkpoint folder")
-    args = p.parse_args(argv)
-    if not 0.0 < args.decay <= 1.0:
-        p.error(f"--decay must be in (0, 1], got {args.decay}")
-    return args
+    return p.parse_args(argv)
 
 
 def main(argv=None) -> int:

@@ -882,11 +882,12 @@ def update_policy_state(
     predicted: jax.Array | None = None,
     match: tuple[jax.Array, jax.Array] | None = None,
 ) -> PolicyState:
-    """The state after a round that drafted (the ``heuristic`` schedule, ``goodput``'s
-    acceptance counts, and its measured drafting rate: the round's emitted tokens and its
-    cost, ``costs.round_s`` at the batch's depth; its skip count returns to 0, and its
-    count of losing measurements too when the round before drafted as well: that one was
-    followed by a drafting round).
+    """The state after a round that ran the drafter (the ``heuristic`` schedule,
+    ``goodput``'s acceptance counts, and its measured drafting rate: the round's emitted
+    tokens and its cost, ``costs.round_s`` at the batch's depth, depth 0 included: a round
+    whose rows read the drafter and drafted nothing is a cost of drafting too; its skip
+    count returns to 0, and its count of losing measurements too when the round before
+    drafted as well: that one was followed by a drafting round).
 
     Args:
       params: the policy.
@@ -909,7 +910,9 @@ def update_policy_state(
     keep = jnp.where(measured, params.memory, 1.0)  # the past's weight in the counts
     add = lambda x: jnp.where(measured, x, 0.0)  # noqa: E731  this round's tokens, in full
     depth = jnp.max(jnp.where(active, drafted, 0))  # the batch drafts to its deepest row
-    took = active & (depth > 0)  # every row of a drafting round spent its time
+    # Every row of the round spent its time, even where no row drafted: reading the drafter
+    # and drafting nothing costs more than a plain step, and the skip decision must see it.
+    took = active
     at = jnp.arange(state.rounds.shape[1]) == jnp.minimum(depth, state.rounds.shape[1] - 1)
     match_accepted, match_tested = state.match_accepted, state.match_tested
     if match is not None:

@@ -85,7 +85,8 @@ class PolicyState:
         another one resets it), each counted by the rows it measured (row-rounds); at
         ``Goodput.patience`` it stops measuring.
       emitted: ``[B]`` float32 tokens emitted by the row's drafting rounds so far this
-        decode (each round's accepted drafts and the target's token); ``rounds``
+        decode (each round's accepted drafts and the target's token; a round that read
+        the drafter and drafted nothing counts, at depth 0); ``rounds``
         ``[B, K + 1]`` float32 those rounds counted by the batch's depth, so that
         ``rounds @ RoundCosts.round_s`` is their cost in seconds. ``emitted`` over that
         cost is the row's measured rate of drafting, which ``goodput``'s skip decision

@@ -27,7 +27,7 @@ import optax
 from flax import nnx, struct
 
 from jaxcert import losses
-from jaxcert.base.validate import check_int
+from jaxcert.base.validate import check_int, check_probability
 from jaxcert.core import rules as rules_lib
 from jaxcert.decoding.protocols import context_before, shifted_right
 from jaxcert.models import EagleHead, Transformer
@@ -413,8 +413,7 @@ def train_head_on_records(
     from jaxcert.models.eagle import load_head, save_head
 
     check_int("depth", depth)
-    if not 0.0 < decay <= 1.0:
-        raise ValueError(f"decay must be in (0, 1], got {decay}")
+    check_probability("decay", decay)
     rule_index = None
     if objective.rule is not None:
         parsed = [rules_lib.parse_rule(r) for r in rule_names]

@@ -233,9 +233,10 @@ def test_the_skip_decision_weighs_the_measured_rate():
 
 
 def test_the_measured_rate_counts_what_drafting_rounds_emitted():
-    """Each drafting round adds, for every active row, its accepted drafts and the target's
-    token, and the round's cost at the batch's depth (its deepest active row); a round that
-    drafted nothing and plain steps add nothing."""
+    """Each round that ran the drafter adds, for every active row, its accepted drafts and
+    the target's token, and the round's cost at the batch's depth (its deepest active row):
+    a round whose rows read the drafter and drafted nothing adds one token at depth 0 (it
+    cost more than a plain step); plain steps, which skip the drafter, add nothing."""
     config = decoding.DecodeConfig(verification="greedy", max_draft=6, max_skip=2)
     params = _params(MIXED, config)
     round_s = np.asarray(params.costs.round_s)
@@ -260,10 +261,14 @@ def test_the_measured_rate_counts_what_drafting_rounds_emitted():
     np.testing.assert_allclose(rate, np.sum([6, 3, 1] / (2 * spent)), rtol=1e-6)
     zeros = jnp.zeros((3,), jnp.int32)
     none = P.update_policy_state(params, state, drafted=zeros, accepted=zeros, active=active)
+    np.testing.assert_allclose(none.emitted, [7, 4, 1])  # the inactive row keeps its count
+    np.testing.assert_array_equal(none.rounds[:, 0], [1, 1, 0])
+    np.testing.assert_array_equal(none.rounds[:, 1:], state.rounds[:, 1:])
+    rate = P.measured_rate(params.replace(spread=jnp.asarray(0.0)), none, active)
+    np.testing.assert_allclose(rate, 7 / (spent[0] + round_s[0]) + 4 / (spent[1] + round_s[0]))
     skipped = P.skipped_round(state, 2)
-    for after in (none, skipped):
-        for name in ("emitted", "rounds"):
-            np.testing.assert_array_equal(getattr(after, name), getattr(state, name))
+    for name in ("emitted", "rounds"):
+        np.testing.assert_array_equal(getattr(skipped, name), getattr(state, name))
 
 
 def test_goodput_counts_add_each_round_in_full():
