@@ -115,7 +115,7 @@ class ModelConfig:
     def tiny(cls, **overrides: Any) -> ModelConfig:
         """A tiny qwen2 shape (8 blocks of width 64, 512 tokens) for a benchmark script's
         sanity run (``--tiny``), with ``overrides`` replacing fields."""
-        fields = dict(
+        fields: dict[str, Any] = dict(
             architecture="qwen2", vocab_size=512, hidden_size=64, intermediate_size=128,
             num_layers=8, num_heads=4, num_kv_heads=2, head_dim=16, qkv_bias=True,
         )  # fmt: skip
