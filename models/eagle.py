@@ -86,6 +86,7 @@ __all__ = [
     "TRAINABLE",
     "DraftVocab",
     "EagleHead",
+    "check_taps",
     "draft_vocab_from_counts",
     "load_head",
     "save_head",
@@ -182,13 +183,7 @@ class EagleHead(nnx.Module):
         """
         if not isinstance(num_layers, int) or num_layers < 1:
             raise ValueError(f"num_layers must be a positive int, got {num_layers!r}.")
-        taps = () if taps is None else tuple(taps)
-        total = target_config.num_layers
-        if any(not isinstance(i, (int, np.integer)) or not 0 <= i < total for i in taps):
-            raise ValueError(f"taps must be target block indices in [0, {total}), got {taps}.")
-        if len(set(taps)) != len(taps):
-            raise ValueError(f"taps must be distinct, got {taps}.")
-        taps = tuple(int(i) for i in taps)
+        taps = check_taps(() if taps is None else taps, target_config.num_layers)
         v, e = target_config.vocab_size, target_config.hidden_size
         ids = None if draft_vocab is None else _check_draft_vocab(draft_vocab, v)
         self.config = dataclasses.replace(target_config, num_layers=num_layers)
@@ -422,6 +417,21 @@ def read_head_config(folder: str | os.PathLike) -> ModelConfig:
         raise ValueError(f"{folder} has no head.json (see save_head).")
     cfg = json.loads(path.read_text())["target_config"]
     return ModelConfig(**dict(cfg, eos_token_ids=tuple(cfg["eos_token_ids"])))
+
+
+def check_taps(taps, num_layers: int) -> tuple[int, ...]:
+    """`taps` as a tuple of ints if they are distinct block indices of a target with
+    `num_layers` blocks (the blocks an EAGLE-3 head fuses).
+
+    Raises:
+      ValueError: a tap that is not an int in `[0, num_layers)`, or a repeated tap.
+    """
+    taps = tuple(taps)
+    if any(not isinstance(i, (int, np.integer)) or not 0 <= i < num_layers for i in taps):
+        raise ValueError(f"taps must be target block indices in [0, {num_layers}), got {taps}.")
+    if len(set(taps)) != len(taps):
+        raise ValueError(f"taps must be distinct, got {taps}.")
+    return tuple(int(i) for i in taps)
 
 
 def check_head_fits(head: EagleHead, target_config: ModelConfig) -> None:

@@ -48,6 +48,7 @@ from flax import nnx
 from jaxcert import decoding, models
 from jaxcert.cli.argtypes import positive
 from jaxcert.decoding import policies
+from jaxcert.models import eagle
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHAPES = ROOT / "scripts" / "shapes"
@@ -112,11 +113,12 @@ def parse_taps(text: str, num_layers: int) -> tuple[int, ...]:
         taps = tuple(int(x) for x in text.split(","))
     except ValueError:
         raise ValueError(f"--taps must be comma-separated block indices, got {text!r}") from None
-    if len(set(taps)) != len(taps) or not all(0 <= t < num_layers for t in taps):
+    try:
+        return eagle.check_taps(taps, num_layers)  # the head's own check
+    except ValueError:
         raise ValueError(
             f"--taps must be distinct target blocks in [0, {num_layers}), got {text!r}"
-        )
-    return taps
+        ) from None
 
 
 def draft_length(setup: Setup, cpu_row: dict) -> int:

@@ -573,6 +573,7 @@ def run_target_steps(
         active = ~state.done
         key, sub = jax.random.split(state.key)
         last = state.tokens[rows, state.length - 1]
+        step = active.astype(jnp.int32)
         context = state.drafter_context
         if taps is None:
             logits, cache = decode_step(graphdef, params, last, state.target_cache, active)
@@ -581,7 +582,7 @@ def run_target_steps(
             logits, cache, states = _target_pass(
                 graphdef, params, last[:, None], state.target_cache, taps
             )
-            logits, cache = logits[:, 0], cache.commit(active.astype(jnp.int32))
+            logits, cache = logits[:, 0], cache.commit(step)
             at = jnp.where(active, state.length - state.drafter_start, context.shape[1])
             context = context.at[rows, at].set(states[:, 0].astype(context.dtype), mode="drop")
         if sampling:
@@ -589,7 +590,6 @@ def run_target_steps(
             token = jax.random.categorical(sub, lp, axis=-1).astype(jnp.int32)
         else:
             token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        step = active.astype(jnp.int32)
         slot = jnp.where(active, state.length, state.tokens.shape[1])
         tokens = state.tokens.at[rows, slot].set(token, mode="drop")
         length = state.length + step
