@@ -1,8 +1,10 @@
 """Shared test set-up: make the helper modules in tests/ (and tests/models/) importable."""
 
+import atexit
 import json
 import os
 import pathlib
+import shutil
 import sys
 import tempfile
 
@@ -41,8 +43,12 @@ if _FLAGS and "collective_call_terminate_timeout" not in os.environ.get("XLA_FLA
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _TIMEOUT).strip()
 
 # The CLI turns on JAX's persistent compilation cache: in tests, a fresh folder per session
-# (inherited by the subprocesses) instead of the user's cache.
-os.environ.setdefault("JAXCERT_COMPILE_CACHE", tempfile.mkdtemp(prefix="jaxcert-xla-"))
+# (inherited by the subprocesses and pytest-xdist's workers) instead of the user's cache,
+# removed when the process that made it exits (a run leaves ~60 MB of programs there).
+if "JAXCERT_COMPILE_CACHE" not in os.environ:
+    _COMPILE_CACHE = tempfile.mkdtemp(prefix="jaxcert-xla-")
+    os.environ["JAXCERT_COMPILE_CACHE"] = _COMPILE_CACHE
+    atexit.register(shutil.rmtree, _COMPILE_CACHE, ignore_errors=True)
 
 
 def pytest_addoption(parser):
