@@ -419,6 +419,30 @@ def read_head_config(folder: str | os.PathLike) -> ModelConfig:
     return ModelConfig(**dict(cfg, eos_token_ids=tuple(cfg["eos_token_ids"])))
 
 
+def target_features(
+    target: Transformer, tokens: jax.Array, cache: KVCache, taps: tuple[int, ...], **kwargs
+) -> tuple[jax.Array, KVCache, jax.Array]:
+    """One target pass, with the states that a head with these `taps` reads.
+
+    Args:
+      target: the target model.
+      tokens: `[B, T]` int32 tokens; `cache` the target's cache; `kwargs` the `positions`
+        and `attention_mask` of `Transformer.__call__`.
+      taps: the head's taps; `()` for an EAGLE-1 head.
+
+    Returns:
+      `(hidden [B, T, E], cache, states)`: the target's final-norm hidden states (what its
+      lm_head reads), its cache, and `states`, the input of :meth:`EagleHead.fuse`: the
+      residual streams after the blocks `taps`, `[B, T, len(taps) * E]`, or `hidden` itself
+      for `taps == ()`.
+
+    Raises:
+      ValueError: the errors of `Transformer.tapped_features`.
+    """
+    hidden, cache, states = target.tapped_features(tokens, cache, taps, **kwargs)
+    return hidden, cache, (states if taps else hidden)
+
+
 def check_taps(taps, num_layers: int) -> tuple[int, ...]:
     """`taps` as a tuple of ints if they are distinct block indices of a target with
     `num_layers` blocks (the blocks an EAGLE-3 head fuses).

@@ -36,6 +36,7 @@ from jaxcert.decoding.draft import draft
 from jaxcert.decoding.protocols import Cache, context_before
 from jaxcert.decoding.state import DecodeState, RoundStats, Settings
 from jaxcert.decoding.verify import in_accepted_set, sample_tree, sampling_log_probs
+from jaxcert.models.eagle import target_features
 from jaxcert.models.sharding import constrain
 from jaxcert.models.transformer import decode_step
 from jaxcert.models.transformer import forward as _forward
@@ -63,11 +64,7 @@ def _target_pass(graphdef, params, tokens, cache, taps, **kwargs):
         logits, cache = _forward(graphdef, params, tokens, cache, **kwargs)
         return logits, cache, None
     model = nnx.merge(graphdef, params)
-    if taps:
-        hidden, cache, states = model.tapped_features(tokens, cache, taps, **kwargs)
-    else:
-        hidden, cache = model.features(tokens, cache, **kwargs)
-        states = hidden
+    hidden, cache, states = target_features(model, tokens, cache, taps, **kwargs)
     return model.project(hidden), cache, states
 
 

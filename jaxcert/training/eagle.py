@@ -31,7 +31,7 @@ from jaxcert.base.validate import check_int, check_probability
 from jaxcert.core import rules as rules_lib
 from jaxcert.decoding.protocols import context_before, shifted_right
 from jaxcert.models import EagleHead, Transformer
-from jaxcert.models.eagle import TRAINABLE
+from jaxcert.models.eagle import TRAINABLE, target_features
 from jaxcert.models.transformer import lm_head_logits
 from jaxcert.training.head_data import HeadRecords
 from jaxcert.training.train import Objective
@@ -87,17 +87,17 @@ def target_states(
     if lengths.shape != (b,) or lengths.min(initial=t) < 2 or lengths.max(initial=0) > t:
         raise ValueError(f"lengths must be [B={b}] in [2, T={t}], got {lengths.tolist()}")
     graphdef, params = nnx.split(target)
-    hidden, logits, states = _target_pass(graphdef, params, ids, taps)
+    logits, states = _target_pass(graphdef, params, ids, taps)
     mask = jnp.arange(t)[None, :] < jnp.asarray(lengths)[:, None] - 1
-    return TargetStates(ids, hidden if not taps else states, logits, mask)
+    return TargetStates(ids, states, logits, mask)
 
 
 @jax.jit(static_argnums=(0, 3))
 def _target_pass(graphdef, params, tokens, taps):
     model = nnx.merge(graphdef, params)
     cache = model.init_cache(tokens.shape[0], tokens.shape[1])
-    hidden, _, states = model.tapped_features(tokens, cache, taps)
-    return hidden, model.project(hidden), states
+    hidden, _, states = target_features(model, tokens, cache, taps)
+    return model.project(hidden), states
 
 
 def head_loss(

@@ -56,6 +56,7 @@ from jaxcert.base import prompts
 from jaxcert.base.validate import check_int
 from jaxcert.core import rules as rules_lib
 from jaxcert.core import solver
+from jaxcert.models.eagle import target_features
 
 if TYPE_CHECKING:
     from jaxcert.models import LoadedModel, Transformer
@@ -475,7 +476,7 @@ def _write_manifest(store: Store) -> None:
 def _records(graphdef, params, tokens, *, taps, top_k, rules):
     model = nnx.merge(graphdef, params)
     cache = model.init_cache(tokens.shape[0], tokens.shape[1])
-    hidden, _, states = model.tapped_features(tokens, cache, taps)
+    hidden, _, states = target_features(model, tokens, cache, taps)
     logits = model.project(hidden).astype(jnp.float32)  # [B, T, V]
     logp = jax.nn.log_softmax(logits, axis=-1)
     top_logp, top_ids = jax.lax.top_k(logp, top_k)
@@ -483,7 +484,7 @@ def _records(graphdef, params, tokens, *, taps, top_k, rules):
     entropy = -jnp.sum(jnp.where(prob > 0, prob * logp, 0.0), axis=-1)
     certs = solver.certificates(logp, rules)
     certificate = jnp.stack([c.value for c in certs], axis=-1)
-    return (hidden if not taps else states), top_logp, top_ids, entropy, certificate
+    return states, top_logp, top_ids, entropy, certificate
 
 
 def write_store(

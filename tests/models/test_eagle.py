@@ -14,6 +14,7 @@ from jaxcert.models.eagle import (
     draft_vocab_from_counts,
     load_head,
     save_head,
+    target_features,
 )
 
 CONFIG = tiny_models.tiny_config(num_layers=3)
@@ -89,6 +90,26 @@ def test_fuse_reads_tapped_features_of_the_target():
     tokens = jnp.asarray([[5, 6, 7]], jnp.int32)
     _, _, tapped = target.tapped_features(tokens, target.init_cache(1, S), head.taps)
     assert head.fuse(tapped).shape == (1, 3, E)
+
+
+@pytest.mark.parametrize("taps", [(), (0, 2)])
+def test_target_features_are_what_the_head_reads(taps):
+    """EAGLE-1 reads the final-norm hidden states, EAGLE-3 the tapped blocks' outputs, and
+    the pass's hidden states and cache are the target's own."""
+    target = tiny_models.random_model(CONFIG, seed=1)
+    tokens = jnp.asarray([[5, 6, 7, 8]], jnp.int32)
+    hidden, cache, states = target_features(target, tokens, target.init_cache(1, S), taps)
+    want_hidden, want_cache = target.features(tokens, target.init_cache(1, S))
+    np.testing.assert_array_equal(hidden, want_hidden)
+    np.testing.assert_array_equal(cache.keys[1], want_cache.keys[1])
+    if taps:
+        _, _, tapped = target.tapped_features(tokens, target.init_cache(1, S), taps)
+        np.testing.assert_array_equal(states, tapped)
+        assert states.shape == (1, 4, 2 * E)
+    else:
+        np.testing.assert_array_equal(states, hidden)
+    head = EagleHead.from_target(target, taps=taps)
+    assert head.fuse(states).shape == (1, 4, E)
 
 
 def test_all_at_once_equals_one_token_steps(split):
