@@ -27,6 +27,7 @@ Example::
 """
 
 from jaxcert.decoding.api import (
+    DecodeCall,
     DecodeOutput,
     check_pair,
     resolved_config,
@@ -71,6 +72,7 @@ __all__ = [
     "DecodeConfig",
     "Programs",
     "default_programs",
+    "DecodeCall",
     "DecodeOutput",
     "DecodeState",
     "DraftTree",

@@ -39,6 +39,7 @@ from jaxcert.decoding.state import RoundStats, Settings
 from jaxcert.models import sharding as sharding_lib
 
 __all__ = [
+    "DecodeCall",
     "DecodeOutput",
     "check_pair",
     "resolved_config",
@@ -46,6 +47,22 @@ __all__ = [
     "split_model",
     "target_decode",
 ]
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeCall:
+    """One call of a decode's host loop: a compiled program run until it hands back.
+
+    Attributes:
+      program: ``"steps"`` (target-only steps: all of :func:`target_decode`, and the steps
+        ``goodput`` runs instead of rounds) or ``"rounds"`` (the speculative round loop).
+      seconds: its wall time, the host's wait for the result included.
+      tokens: the tokens it added, summed over the batch's rows.
+    """
+
+    program: str
+    seconds: float
+    tokens: int
 
 
 @dataclasses.dataclass
@@ -60,6 +77,9 @@ class DecodeOutput:
       compiled: programs this call compiled (0: every one was cached in the process).
       round_costs: ``goodput`` only: the :class:`~jaxcert.decoding.policies.RoundCosts` it
         weighed last (seconds; calibrated, then corrected by the timed calls), else ``None``.
+      calls: the host loop's calls in order (:class:`DecodeCall`); their seconds add up to
+        ``decode_s``. Where a decode loses time, they say in which program
+        (``scripts/bench_decode_calls.py``; docs/benchmarks.md).
     """
 
     tokens: list[np.ndarray]
@@ -70,6 +90,7 @@ class DecodeOutput:
     compile_s: float
     compiled: int = 0
     round_costs: policies_lib.RoundCosts | None = None
+    calls: tuple[DecodeCall, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -262,20 +283,24 @@ def _generated(state, rows: int):
 
 def _drive(pre, pre_args, call, rows: int, progress) -> tuple:
     """The host loop of both decoders: the timed prefill, then ``call(state)`` until every
-    row is done. Returns ``(state, prefill_s, decode_s)``."""
+    row is done. Returns ``(state, prefill_s, decode_s, calls)``, ``calls`` a list of
+    ``(seconds, tokens)`` per call."""
     t0 = time.perf_counter()
     state = pre(*pre_args)
     jax.block_until_ready(state)
     prefill_s = time.perf_counter() - t0
-    decode_s, done = 0.0, False
+    decode_s, done, before, calls = 0.0, False, 0, []
     while not done:
         t0 = time.perf_counter()
         state = call(state)
         done, generated = jax.device_get((jnp.all(state.done), _generated(state, rows)))
-        decode_s += time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        decode_s += seconds
+        calls.append((seconds, int(generated) - before))
+        before = int(generated)
         if progress is not None:
             progress(int(generated))
-    return state, prefill_s, decode_s
+    return state, prefill_s, decode_s, calls
 
 
 def _plain_steps(plain, t_params, state, config: DecodeConfig, chunks: list, losing=True):
@@ -519,6 +544,8 @@ def speculative_decode(
             scale=costs.round_scale,
         )
 
+    programs_run: list[str] = []  # per call: "steps" or "rounds" (DecodeOutput.calls)
+
     def call(state):
         nonlocal policy_params
         t0 = time.perf_counter()
@@ -530,6 +557,7 @@ def speculative_decode(
         # A program's first execution is slower than the rest: its call is not a cost the
         # decode will pay again, so the tracker leaves it out (docs/goodput.md, "Costs
         # that correct themselves").
+        programs_run.append("steps" if skip or probe else "rounds")
         if skip or probe:
             first = programs.first_execution(plan_program, steps_program)
             state, ran = _plain_steps(plain, t_params, state, static, chunks, losing=skip)
@@ -548,7 +576,8 @@ def speculative_decode(
             policy_params = policy_params.replace(costs=costs_now)
         return state
 
-    state, prefill_s, decode_s = _drive(pre, pre_args, call, rows, progress)
+    state, prefill_s, decode_s, timed = _drive(pre, pre_args, call, rows, progress)
+    calls = tuple(DecodeCall(k, s, n) for k, (s, n) in zip(programs_run, timed, strict=True))
     stats = jax.tree.map(lambda *xs: np.concatenate(xs, axis=0)[:, :rows], *chunks)
     keep = np.any(stats.active, axis=1)
     stats = jax.tree.map(lambda x: x[keep], stats)
@@ -566,7 +595,15 @@ def speculative_decode(
         costs_lib.remember(calibrated, tracker, drafted)
     weighed = jax.device_get(policy_params.costs) if goodput else None
     return DecodeOutput(
-        tokens, stats, rounds, prefill_s, decode_s, compile_s, compiled, round_costs=weighed
+        tokens,
+        stats,
+        rounds,
+        prefill_s,
+        decode_s,
+        compile_s,
+        compiled,
+        round_costs=weighed,
+        calls=calls,
     )
 
 
@@ -619,6 +656,9 @@ def target_decode(
     kw = dict(graphdef=graphdef, steps=rounds_per_call, sampling=temperature > 0)
     run = programs.compile(loop.run_target_steps, (params, pre.out_info), kw, on_compile)
     compile_s, compiled = time.perf_counter() - t0, programs.compiled - before
-    state, prefill_s, decode_s = _drive(pre, pre_args, lambda st: run(params, st), rows, progress)
+    state, prefill_s, decode_s, timed = _drive(
+        pre, pre_args, lambda st: run(params, st), rows, progress
+    )
     tokens, rounds = _outputs(state, rows)
-    return DecodeOutput(tokens, None, rounds, prefill_s, decode_s, compile_s, compiled)
+    calls = tuple(DecodeCall("steps", s, n) for s, n in timed)
+    return DecodeOutput(tokens, None, rounds, prefill_s, decode_s, compile_s, compiled, calls=calls)

@@ -402,6 +402,27 @@ def test_goodput_stops_measuring_in_a_decode(pair, want):
     assert np.sum(rounds[0]) >= 2 and len(rounds[0]) == len(rounds[1])
 
 
+def test_calls_say_which_program_ran_each_stretch(pair, want):
+    """``DecodeOutput.calls``: every host call, its program, seconds and tokens; they add up
+    to the decode's tokens and ``decode_s``. Target-only decoding runs only steps (16 a
+    call), a fixed policy only rounds, ``goodput`` with dear verification only steps, and
+    with ``patience=1`` it measures in the round loop first and then steps."""
+
+    def check(out, programs):
+        assert {c.program for c in out.calls} == programs
+        assert sum(c.tokens for c in out.calls) == out.num_tokens
+        assert all(c.tokens >= 0 and c.seconds > 0 for c in out.calls)
+        np.testing.assert_allclose(sum(c.seconds for c in out.calls), out.decode_s, rtol=1e-9)
+
+    check(want, {"steps"})
+    assert [c.tokens for c in want.calls][:-1] == [16 * len(PROMPTS)] * (len(want.calls) - 1)
+    check(_decode(*pair, "greedy", MIXED, policy=decoding.Constant(k=2)), {"rounds"})
+    check(_decode(*pair, "greedy", DEAR, max_skip=2), {"steps"})
+    measured = _decode(*pair, "greedy", MIXED, decoding.Goodput(beta=0.01, patience=1), max_skip=2)
+    check(measured, {"rounds", "steps"})
+    assert measured.calls[0].program == "rounds" and measured.calls[-1].program == "steps"
+
+
 def test_one_program_serves_every_goodput_parameter_and_cost(pair):
     programs = decoding.Programs()
     runs = [

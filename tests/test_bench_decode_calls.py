@@ -1,0 +1,61 @@
+"""scripts/bench_decode_calls.py on tiny checkpoints: the split of a decode's time by
+program adds up, and a policy that never drafts runs only target-only steps."""
+
+import json
+
+import pytest
+import tiny_lm
+from scripts_loader import load_script
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("calls")
+    target = tiny_lm.save_tiny_checkpoint(root / "target", seed=0)
+    drafter = tiny_lm.save_tiny_checkpoint(root / "drafter", seed=1, layers=1)
+    lines = [{"prompt": t, "category": "c"} for t in ("a b c a b c a b", "hello world hello")]
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(r) for r in lines) + "\n")
+    return root, target, drafter, prompts
+
+
+def _run(setup, policy, *extra):
+    root, target, drafter, prompts = setup
+    out = root / f"{policy.replace(':', '_')}.json"
+    argv = [
+        "--target", str(target), "--drafter", str(drafter), "--prompts", str(prompts),
+        "--prompt-indices", "1,0", "--max-new-tokens", "12", "--max-draft", "4",
+        "--repeats", "2", "--policy", policy, "--out", str(out), *extra,
+    ]  # fmt: skip
+    assert load_script("bench_decode_calls").main(argv) == 0
+    return json.loads(out.read_text())
+
+
+def test_the_split_adds_up_to_the_decode(setup):
+    record = _run(setup, "constant:3")
+    assert [(r["prompt"], r["run"]) for r in record["rows"]] == [(1, 1), (1, 2), (0, 1), (0, 2)]
+    for row in record["rows"]:
+        split = row["programs"]
+        assert split["steps"]["calls"] == 0  # a fixed policy never hands off
+        assert split["rounds"]["tokens"] == row["speculative_tokens"] == 12
+        assert split["rounds"]["seconds"] == pytest.approx(row["speculative_s"], abs=1e-3)
+        per_token = row["target_s"] / row["target_tokens"]
+        want = row["speculative_s"] - 12 * per_token
+        assert split["rounds"]["excess_s"] == pytest.approx(want, abs=2e-3)
+    total = sum(r["programs"]["rounds"]["excess_s"] for r in record["rows"])
+    assert record["excess_s"]["rounds"] == pytest.approx(total, abs=1e-3)
+
+
+def test_goodput_that_does_not_draft_runs_target_only_steps(setup):
+    """A prior acceptance of 0.01: drafting does not pay, so ``goodput`` hands most of the
+    decode to target-only steps, and the split shows them."""
+    record = _run(setup, "goodput:0.01:patience=0")
+    for row in record["rows"]:
+        split = row["programs"]
+        assert split["steps"]["tokens"] + split["rounds"]["tokens"] == 12
+        assert split["steps"]["tokens"] > 0
+
+
+def test_bad_prompt_index_is_refused(setup):
+    with pytest.raises(SystemExit, match=r"--prompt-indices \[5\]: .* has 2 prompts"):
+        _run(setup, "constant:3", "--prompt-indices", "5")
