@@ -7,7 +7,7 @@ row, so branches of one row cannot share a cache row). All virtual rows of a row
 committed prefix. Dynamic trees re-point a frontier slot to another parent by copying that
 parent's row segment (``K`` slots) before the step.
 
-Step 0 re-reads ``s[drafter_start:n)`` (static width ``DecodeConfig.reread``) on one
+Step 0 re-reads ``s[drafter_start:n)`` (the narrowest of ``DecodeConfig.reread_widths``) on one
 virtual row per row, copies it to the others, and projects only the last real position
 through the lm-head. Then, while a row's policy says continue, the frontier (depth ``d``
 nodes) is fed and its children drafted.
@@ -186,12 +186,11 @@ def draft(
     key: jax.Array,
     shape: tree_lib.TreeShape,
     max_depth: int,
-    width: int,
+    widths: tuple[int, ...],
     sampling: bool,
     temperature: jax.typing.ArrayLike,
     top_p: jax.typing.ArrayLike,
     context: jax.Array | None = None,
-    base_width: int | None = None,
     need: jax.Array | None = None,
     proposes: bool = False,
 ) -> tuple[DraftTree, Cache]:
@@ -206,8 +205,9 @@ def draft(
       policy, policy_state: the draft-length policy.
       key: PRNG key (sampling).
       shape: chain, static or dynamic tree; ``max_depth`` its depth ``K``.
-      width: the static widest re-read (``DecodeConfig.reread``); ``base_width`` the
-        usual one (``DecodeConfig.reread_base``; ``None``: ``width``).
+      widths: the static widths of the re-read (``DecodeConfig.reread_widths``, sorted;
+        the last, the widest, ``DecodeConfig.reread``); each round takes the narrowest
+        that holds every row's new tokens.
       sampling, temperature, top_p: draw instead of taking the drafter's top choices
         (temperature and top-p: scalars, traced).
       context: for a draft head, ``[B, width, C]`` the target's states before the re-read
@@ -225,7 +225,6 @@ def draft(
     dynamic = isinstance(shape, tree_lib.DynamicTree)
     b = tokens.shape[0]
     rows = jnp.arange(b)
-    widths = tuple(sorted({1, width if base_width is None else base_width, width}))
     q_root, h_root, cache = _reread(
         graphdef, params, cache, tokens, start, length, widths, m, context
     )

@@ -104,6 +104,19 @@ def test_context_head_is_a_feature_drafter():
     assert not reads_target(random_model(CONFIG, seed=1))
 
 
+def test_a_head_rereads_with_the_narrowest_width_that_holds_its_tokens():
+    """A head's re-read pass has a width per level bucket up to the widest; a chain's
+    language-model drafter keeps its three (one token, the usual two, the widest)."""
+    head = decoding.DecodeConfig(max_draft=40, max_skip=8, head_taps=(2, 14, 25))
+    assert head.reread_widths() == (1, 2, 4, 8, 16, 24, 40, 41, 49)
+    assert dataclasses.replace(head, max_skip=None).reread_widths() == (1, 2, 4, 8, 16, 24, 40, 41)
+    assert decoding.DecodeConfig(max_draft=4, head_taps=()).reread_widths() == (1, 2, 4, 5)
+    lm = decoding.DecodeConfig(max_draft=40, max_skip=8)
+    assert lm.reread_widths() == (1, 2, 10)
+    tree = decoding.DecodeConfig(verification="tree:2x3+greedy")
+    assert tree.reread_widths() == (1, 4)
+
+
 _SLOW = pytest.mark.slow  # the same program as a default case, another shape or head
 
 
