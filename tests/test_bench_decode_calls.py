@@ -59,3 +59,40 @@ def test_goodput_that_does_not_draft_runs_target_only_steps(setup):
 def test_bad_prompt_index_is_refused(setup):
     with pytest.raises(SystemExit, match=r"--prompt-indices \[5\]: .* has 2 prompts"):
         _run(setup, "constant:3", "--prompt-indices", "5")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--policy", "garbage"], "argument --policy: unknown policy 'garbage'"),
+        (["--verify", "sample"], "--verify / --temperature: temperature 0.0 does not fit"),
+        (["--temperature", "1", "--verify", "greedy"], "temperature 1.0 does not fit"),
+        (["--prompt-indices", "1,x"], "--prompt-indices: comma-separated integers"),
+        (["--max-new-tokens", "0"], "argument --max-new-tokens"),
+    ],
+)
+def test_bad_options_are_refused_when_the_command_line_is_read(argv, message, capsys):
+    with pytest.raises(SystemExit) as err:
+        load_script("bench_decode_calls").parse_args(argv)
+    assert err.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_an_out_that_cannot_be_written_is_refused_before_decoding(tmp_path, capsys):
+    script = load_script("bench_decode_calls")
+    for out, message in [
+        (tmp_path, "a folder, not a file"),
+        ("/proc/jaxcert/x.json", "--out /proc/jaxcert/x.json"),
+    ]:
+        with pytest.raises(SystemExit):
+            script.parse_args(["--out", str(out)])
+        assert message in capsys.readouterr().err
+
+
+def test_a_drafter_of_another_vocabulary_is_refused_before_loading(setup, tmp_path):
+    root, target, _, prompts = setup
+    other = tiny_lm.save_tiny_checkpoint(tmp_path / "other", seed=2)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps(config | {"vocab_size": 64}))
+    argv = ["--target", str(target), "--drafter", str(other), "--prompts", str(prompts)]
+    with pytest.raises(SystemExit, match="vocabulary"):
+        load_script("bench_decode_calls").main([*argv, "--prompt-indices", "0"])
