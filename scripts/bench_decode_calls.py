@@ -116,6 +116,11 @@ def split_by_program(out: decoding.DecodeOutput, per_token_s: float) -> dict:
     return split
 
 
+def total_excess(rows: list[dict]) -> dict:
+    """Per program, the excess seconds of every run in ``rows`` summed."""
+    return {n: round(sum(r["programs"][n]["excess_s"] for r in rows), 3) for n in PROGRAMS}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
@@ -163,12 +168,11 @@ def main(argv=None) -> int:
         """The JSON so far (after every run: an interrupted run keeps what it measured)."""
         if args.out is None:
             return
-        total = {n: round(sum(r["programs"][n]["excess_s"] for r in rows), 3) for n in PROGRAMS}
         record = {
             "command": " ".join(["scripts/bench_decode_calls.py", *(argv or sys.argv[1:])]),
             "cpu_count": os.cpu_count(),
             "rows": rows,
-            "excess_s": total,
+            "excess_s": total_excess(rows),
             "mean_speedup": round(float(np.mean([r["speedup"] for r in rows])), 4),
         }
         tmp = args.out.with_name(args.out.name + ".tmp")
@@ -204,8 +208,7 @@ def main(argv=None) -> int:
                 f"({row['speedup']:.3f}x); {cells}",
                 flush=True,
             )
-    total = {n: round(sum(r["programs"][n]["excess_s"] for r in rows), 3) for n in PROGRAMS}
-    print(f"excess over target-only, all runs: {total}")
+    print(f"excess over target-only, all runs: {total_excess(rows)}")
     return 0
 
 
