@@ -50,6 +50,24 @@ columns of its lm_head.
 EAGLE keeps embedding and lm_head frozen; `TRAINABLE` selects the rest (``fc``, ``fuse_fc``,
 the norms, the blocks, ``oov_logit``).
 
+The published EAGLE-3 head (``arch="eagle3"``), the one vLLM, SGLang, tpu-inference and
+TensorRT-LLM serve and SpecForge and speculators train, differs from the above in its one
+layer: ``fc`` `[3E, E]` mixes the three tapped target states (as ``fuse_fc`` above), and the
+layer's attention reads the embedding and the context side by side::
+
+  a_t = attn([input_norm(embed(x_t)), hidden_norm(c_{t-1})])       # q/k/v over 2E inputs
+  r_t = c_{t-1} + a_t        (hidden_norm(c_{t-1}) + a_t with ``norm_before_residual``)
+  h_t = r_t + mlp(post_attention_norm(r_t))                        # the pre-norm state
+  q(. | x_<=t) = softmax(lm_head(norm(h_t)))                       # [B, T, V'] -> d2t
+
+and the context of the next drafted token is the pre-norm ``h_t`` (what vLLM's proposer
+feeds back), so there :meth:`EagleHead.features` returns ``h_t`` and :meth:`EagleHead.project`
+applies the final norm. Outside the draft vocabulary the engines draft with a ``-inf`` logit;
+an ``eagle3`` head does too (``outside="-inf"``), while ``project(hidden, outside="oov")``
+gives the shared learnt logit above wherever a finite ``KL(p || q)`` is wanted (training,
+certificates). A ``jaxcert`` head drafts with the shared logit (``outside="oov"``).
+`jaxcert.models.eagle3` reads and writes the engines' folders.
+
 Shape letters as in `jaxcert.models`; K = ``len(taps)``, V' = draft-vocabulary size.
 """
 
@@ -71,6 +89,8 @@ from jaxcert.models.cache import KVCache
 from jaxcert.models.config import ModelConfig
 from jaxcert.models.sharding import Layout, constrain
 from jaxcert.models.transformer import (
+    MLP,
+    Attention,
     Block,
     RMSNorm,
     Transformer,
@@ -84,7 +104,10 @@ __all__ = [
     "FORMAT_VERSION",
     "OOV_INIT_MASS",
     "TRAINABLE",
+    "ARCHS",
+    "OUTSIDE",
     "DraftVocab",
+    "Eagle3Layer",
     "EagleHead",
     "check_taps",
     "draft_vocab_from_counts",
@@ -148,10 +171,51 @@ def draft_vocab_from_counts(counts: np.ndarray, size: int) -> np.ndarray:
     return np.sort(top).astype(np.int32)
 
 
+ARCHS = ("jaxcert", "eagle3")
+OUTSIDE = ("oov", "-inf")
+
+
+class Eagle3Layer(nnx.Module):
+    """The published EAGLE-3 layer: attention over `[input_norm(e), hidden_norm(c)]` (2E
+    inputs), then a pre-norm MLP; returns the pre-norm state (see the module docstring).
+
+    Parameter names follow the engines' (``midlayer.*``) through `jaxcert.models.eagle3`.
+    """
+
+    def __init__(
+        self, config: ModelConfig, *, rngs: nnx.Rngs, dtype, param_dtype, norm_before_residual
+    ):
+        c = config
+        e, q, kv = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        kw = dict(eps=c.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+        self.input_norm = RMSNorm(e, **kw)
+        self.hidden_norm = RMSNorm(e, **kw)
+        self.attn = Attention(c, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        init = lambda shape: _INIT(rngs.params(), shape, param_dtype)  # noqa: E731
+        self.attn.q_proj = _param(init((2 * e, q)), (None, "heads"))  # [2E, Q]
+        self.attn.k_proj = _param(init((2 * e, kv)), (None, "kv_heads"))  # [2E, G*D]
+        self.attn.v_proj = _param(init((2 * e, kv)), (None, "kv_heads"))  # [2E, G*D]
+        self.post_attention_norm = RMSNorm(e, **kw)
+        self.mlp = MLP(c, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.norm_before_residual = bool(norm_before_residual)
+
+    def __call__(self, embeds, context, cos, sin, k_buf, v_buf, length, mask, layout=None):
+        """`embeds`, `context` `[B, T, E]` -> `(pre-norm state [B, T, E], k_buf, v_buf)`;
+        the other arguments as `Block.__call__`."""
+        normed = self.hidden_norm(context)
+        residual = normed if self.norm_before_residual else context
+        x = jnp.concatenate([self.input_norm(embeds), normed], axis=-1)  # [B, T, 2E]
+        a, k_buf, v_buf = self.attn(x, cos, sin, k_buf, v_buf, length, mask, layout)
+        residual = residual + a
+        return residual + self.mlp(self.post_attention_norm(residual), layout), k_buf, v_buf
+
+
 class EagleHead(nnx.Module):
     """An EAGLE draft head over a target of config `target_config` (see the module docstring).
 
     Attributes:
+      arch: ``"jaxcert"`` (``fc`` over the normalised embedding and context, then ordinary
+        blocks) or ``"eagle3"`` (the published EAGLE-3 layer, `Eagle3Layer`).
       config: the head's `ModelConfig`: the target's sizes and vocabulary, ``num_layers`` =
         the head's blocks (what its `KVCache` holds).
       target_config: the target's config (``num_layers`` = the target's blocks).
@@ -161,6 +225,8 @@ class EagleHead(nnx.Module):
       draft_size: V' (V without a draft vocabulary), columns of ``lm_head`` `[E, V']`.
       oov_logit: scalar Param, the logit of every token outside the draft vocabulary
         (``None`` without one).
+      outside: what :meth:`project` gives tokens outside the draft vocabulary by default:
+        ``"oov"`` (``oov_logit``) or ``"-inf"`` (as the engines draft).
     """
 
     def __init__(
@@ -173,20 +239,49 @@ class EagleHead(nnx.Module):
         draft_vocab: jax.Array | np.ndarray | None = None,
         dtype=jnp.float32,
         param_dtype=jnp.float32,
+        arch: str = "jaxcert",
+        outside: str | None = None,
+        norm_before_residual: bool = False,
+        attention_bias: bool = False,
     ):
         """Builds a randomly initialised head.
+
+        Args:
+          arch: ``"jaxcert"`` or ``"eagle3"`` (one layer, three taps; its attention has
+            biases with `attention_bias`, its residual as `norm_before_residual` says).
+          outside: :attr:`outside`; default ``"oov"`` for ``"jaxcert"``, ``"-inf"`` for
+            ``"eagle3"``.
 
         Raises:
           ValueError: `num_layers` < 1; a tap that is not a distinct block index in
             `[0, target_config.num_layers)`; a `draft_vocab` that is not a non-empty 1-D
-            integer array of distinct ids in `[0, V)` (each problem named).
+            integer array of distinct ids in `[0, V)`; an unknown `arch` or `outside`; an
+            ``"eagle3"`` head with other than one layer and three taps (each named).
         """
         if not isinstance(num_layers, int) or num_layers < 1:
             raise ValueError(f"num_layers must be a positive int, got {num_layers!r}.")
+        if arch not in ARCHS:
+            raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}.")
+        outside = ("-inf" if arch == "eagle3" else "oov") if outside is None else outside
+        if outside not in OUTSIDE:
+            raise ValueError(f"outside must be one of {OUTSIDE}, got {outside!r}.")
         taps = check_taps(() if taps is None else taps, target_config.num_layers)
+        if arch == "eagle3" and (num_layers != 1 or len(taps) != 3):
+            raise ValueError(
+                f"an eagle3 head has one layer and three taps, got num_layers={num_layers}, "
+                f"taps={taps}."
+            )
         v, e = target_config.vocab_size, target_config.hidden_size
         ids = None if draft_vocab is None else _check_draft_vocab(draft_vocab, v)
-        self.config = dataclasses.replace(target_config, num_layers=num_layers)
+        self.arch = arch
+        self.outside = outside
+        if arch == "eagle3":  # a Llama layer: biases as the checkpoint says, rotate_half RoPE
+            self.config = dataclasses.replace(
+                target_config, architecture="llama", num_layers=1, qkv_bias=attention_bias,
+                o_bias=attention_bias, qk_norm=False, rope_layout="half",
+            )  # fmt: skip
+        else:
+            self.config = dataclasses.replace(target_config, num_layers=num_layers)
         self.target_config = target_config
         self.taps = taps
         self.draft_size = v if ids is None else int(ids.size)
@@ -197,15 +292,26 @@ class EagleHead(nnx.Module):
         kw = dict(eps=target_config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
         self.embedding = _param(init((v, e)), ("vocab", "embed"))  # [V, E]
         self.fuse_fc = _param(init((len(taps) * e, e)), (None, "embed")) if taps else None
-        self.embed_norm = RMSNorm(e, **kw)
-        self.context_norm = RMSNorm(e, **kw)
-        self.fc = _param(init((2 * e, e)), (None, "embed"))  # [2E, E]
-        self.layers = nnx.List(
-            [
-                Block(self.config, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-                for _ in range(num_layers)
-            ]
-        )
+        if arch == "eagle3":
+            self.embed_norm = self.context_norm = self.fc = None
+            self.layers = nnx.List(
+                [
+                    Eagle3Layer(
+                        self.config, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
+                        norm_before_residual=norm_before_residual,
+                    )
+                ]
+            )  # fmt: skip
+        else:
+            self.embed_norm = RMSNorm(e, **kw)
+            self.context_norm = RMSNorm(e, **kw)
+            self.fc = _param(init((2 * e, e)), (None, "embed"))  # [2E, E]
+            self.layers = nnx.List(
+                [
+                    Block(self.config, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+                    for _ in range(num_layers)
+                ]
+            )
         self.norm = RMSNorm(e, **kw)
         self.lm_head = _param(init((e, self.draft_size)), ("embed", "vocab"))  # [E, V']
         if ids is None:
@@ -214,6 +320,11 @@ class EagleHead(nnx.Module):
             self.draft_vocab = DraftVocab(jnp.asarray(ids))
             b0 = math.log(OOV_INIT_MASS / max(v - ids.size, 1))
             self.oov_logit = _param(jnp.asarray(b0, jnp.float32), ())
+
+    @property
+    def norm_before_residual(self) -> bool:
+        """An ``eagle3`` head's residual is taken after ``hidden_norm`` (``False`` otherwise)."""
+        return self.arch == "eagle3" and bool(self.layers[0].norm_before_residual)
 
     @classmethod
     def from_target(cls, target: Transformer, *, rngs: nnx.Rngs | None = None, **kw) -> EagleHead:
@@ -303,8 +414,9 @@ class EagleHead(nnx.Module):
           attention_mask: `[B, T, T]` bool among the new tokens; default causal.
 
         Returns:
-          `hidden` `[B, T, E]` in the compute dtype: the final-norm state :meth:`project`
-          reads, and the context of the next drafted token.
+          `hidden` `[B, T, E]` in the compute dtype: the state :meth:`project` reads and the
+          context of the next drafted token (after the final norm for a ``jaxcert`` head,
+          before it for an ``eagle3`` one, as the engines feed it back).
 
         Raises:
           ValueError: inconsistent shapes or dtypes (at trace time).
@@ -318,6 +430,14 @@ class EagleHead(nnx.Module):
         mask = slot_mask(cache.length, t, cache.max_length, attention_mask)
         cos, sin = rope_angles(positions, c.head_dim, c.rope_theta)
         x = jnp.take(self.embedding[...], tokens, axis=0).astype(self.dtype)  # [B, T, E]
+        if self.arch == "eagle3":
+            layer = self.layers[0]
+            x, k_buf, v_buf = layer(
+                x, context.astype(self.dtype), cos, sin, cache.keys[0], cache.values[0],
+                cache.length, mask, self.layout,
+            )  # fmt: skip
+            x = constrain(self.layout, x, ("batch", None, "embed"))
+            return x, KVCache(keys=(k_buf,), values=(v_buf,), length=cache.length)
         x = jnp.concatenate([self.embed_norm(x), self.context_norm(context)], axis=-1)
         x = jnp.einsum("BTF,FE->BTE", x, self.fc[...].astype(self.dtype))  # F = 2E
         x = constrain(self.layout, x, ("batch", None, "embed"))
@@ -328,16 +448,32 @@ class EagleHead(nnx.Module):
             values.append(v_buf)
         return self.norm(x), KVCache(keys=tuple(keys), values=tuple(values), length=cache.length)
 
-    def project(self, hidden: jax.Array) -> jax.Array:
+    def draft_logits(self, hidden: jax.Array) -> jax.Array:
+        """`[..., E]` hidden (:meth:`features`) -> `[..., V']` float32 logits of the draft
+        vocabulary (the lm_head; an ``eagle3`` head applies its final norm first)."""
+        if self.arch == "eagle3":
+            hidden = self.norm(hidden)
+        return lm_head_logits(hidden, self.lm_head[...], tied=False)  # [..., V']
+
+    def project(self, hidden: jax.Array, *, outside: str | None = None) -> jax.Array:
         """`[..., E]` hidden -> `[..., V]` float32 logits over the full target vocabulary.
 
-        With a draft vocabulary, tokens outside it all get the logit ``oov_logit``.
+        With a draft vocabulary, tokens outside it all get the logit ``oov_logit``
+        (``outside="oov"``) or ``-inf`` (``outside="-inf"``, as the engines draft); the
+        default is the head's :attr:`outside`.
+
+        Raises:
+          ValueError: an unknown `outside`.
         """
-        logits = lm_head_logits(hidden, self.lm_head[...], tied=False)  # [..., V']
+        outside = self.outside if outside is None else outside
+        if outside not in OUTSIDE:
+            raise ValueError(f"outside must be one of {OUTSIDE}, got {outside!r}.")
+        logits = self.draft_logits(hidden)  # [..., V']
         if self.draft_vocab is None or self.oov_logit is None:
             return logits
         shape = logits.shape[:-1] + (self.config.vocab_size,)
-        full = jnp.broadcast_to(self.oov_logit[...].astype(jnp.float32), shape)
+        fill = -jnp.inf if outside == "-inf" else self.oov_logit[...].astype(jnp.float32)
+        full = jnp.broadcast_to(jnp.asarray(fill, jnp.float32), shape)
         return full.at[..., self.draft_vocab[...]].set(
             logits, indices_are_sorted=True, unique_indices=True
         )
@@ -351,9 +487,10 @@ class EagleHead(nnx.Module):
         positions: jax.Array | None = None,
         attention_mask: jax.Array | None = None,
         return_hidden: bool = False,
+        outside: str | None = None,
     ):
-        """:meth:`features` then :meth:`project`: `(logits [B, T, V] float32, cache)`, or
-        `(logits, cache, hidden [B, T, E])` with `return_hidden`.
+        """:meth:`features` then :meth:`project` (with `outside`): `(logits [B, T, V]
+        float32, cache)`, or `(logits, cache, hidden [B, T, E])` with `return_hidden`.
 
         Raises:
           ValueError: as :meth:`features`.
@@ -361,7 +498,7 @@ class EagleHead(nnx.Module):
         hidden, cache = self.features(
             tokens, cache, context=context, positions=positions, attention_mask=attention_mask
         )
-        logits = self.project(hidden)
+        logits = self.project(hidden, outside=outside)
         return (logits, cache, hidden) if return_hidden else (logits, cache)
 
     def _check(self, tokens, cache, context, positions, attention_mask):
@@ -381,7 +518,8 @@ class EagleHead(nnx.Module):
 def save_head(head: EagleHead, folder: str | os.PathLike) -> pathlib.Path:
     """Writes `head.safetensors` (every state array, flat dotted names such as
     ``layers.0.attn.q_proj``) and `head.json` (format version, target config, head layers,
-    taps, draft-vocabulary size, dtypes) into `folder` (created); returns the folder."""
+    taps, draft-vocabulary size, dtypes, arch and its options) into `folder` (created);
+    returns the folder. The engines' layouts: `jaxcert.models.eagle3.export_head`."""
     from safetensors.flax import save_file
 
     folder = pathlib.Path(folder)
@@ -396,6 +534,10 @@ def save_head(head: EagleHead, folder: str | os.PathLike) -> pathlib.Path:
         "draft_vocab_size": None if head.draft_vocab is None else head.draft_size,
         "dtype": jnp.dtype(head.dtype).name,
         "param_dtype": jnp.dtype(head.embedding[...].dtype).name,
+        "arch": head.arch,
+        "outside": head.outside,
+        "norm_before_residual": head.norm_before_residual,
+        "attention_bias": head.arch == "eagle3" and head.config.qkv_bias,
     }
     (folder / "head.json").write_text(json.dumps(meta, indent=2) + "\n")
     return folder
@@ -507,6 +649,10 @@ def load_head(folder: str | os.PathLike) -> EagleHead:
         draft_vocab=ids,
         dtype=jnp.dtype(meta["dtype"]),
         param_dtype=jnp.dtype(meta["param_dtype"]),
+        arch=meta.get("arch", "jaxcert"),  # heads written before there were two archs
+        outside=meta.get("outside"),
+        norm_before_residual=bool(meta.get("norm_before_residual", False)),
+        attention_bias=bool(meta.get("attention_bias", False)),
     )
     graphdef, state = nnx.split(nnx.eval_shape(build))
     flat = nnx.to_flat_state(state)

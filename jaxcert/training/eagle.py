@@ -32,7 +32,6 @@ from jaxcert.core import rules as rules_lib
 from jaxcert.decoding.protocols import context_before, shifted_right
 from jaxcert.models import EagleHead, Transformer
 from jaxcert.models.eagle import TRAINABLE, target_features
-from jaxcert.models.transformer import lm_head_logits
 from jaxcert.training.head_data import HeadRecords
 from jaxcert.training.train import Objective
 
@@ -109,7 +108,7 @@ def head_loss(
     """
     b, t = batch.tokens.shape
     context = context_before(head, batch.states)  # as the decoder's prefill reads
-    q_logits, _ = head(batch.tokens, head.init_cache(b, t), context=context)
+    q_logits, _ = head(batch.tokens, head.init_cache(b, t), context=context, outside="oov")
     mask = batch.mask
     count = jnp.maximum(jnp.sum(mask), 1)
     kl = losses.kl_divergence(drafter_logits=q_logits, target_logits=batch.logits, where=mask)
@@ -181,7 +180,7 @@ def _window_log_q(
     draft vocabulary. ``argmax`` is the head's greedy token (``-1``: a token outside the draft
     vocabulary, whose shared logit is the largest)."""
     v = head.config.vocab_size
-    z = lm_head_logits(hidden, head.lm_head[...], tied=False).astype(jnp.float32)  # [..., V']
+    z = head.draft_logits(hidden).astype(jnp.float32)  # [..., V']
     if head.draft_vocab is None or head.oov_logit is None:
         log_q = jnp.take_along_axis(jax.nn.log_softmax(z, axis=-1), ids, axis=-1)
         return log_q, jnp.argmax(z, axis=-1).astype(jnp.int32)
