@@ -37,6 +37,15 @@ def add_head_arguments(p: argparse.ArgumentParser) -> None:
         "blocks 2, L/2 and L-3 (default: off, the residual-head recipe)",
     )
     g.add_argument(
+        "--arch",
+        choices=("jaxcert", "eagle3"),
+        default="jaxcert",
+        help="with --head eagle3: jaxcert's head (fc over the normalised embedding and "
+        "feature, ordinary blocks, taps 2, L/2, L-3) or the published EAGLE-3 layer that "
+        "vLLM and SGLang serve (one layer, the engines' taps; jaxcert export-head writes it "
+        "for them) (default %(default)s)",
+    )
+    g.add_argument(
         "--data",
         choices=("replies", "greedy"),
         default="replies",
@@ -129,7 +138,8 @@ def _settings(args: argparse.Namespace, num_layers: int, seeds: tuple[int, ...])
 
     return head_recipe.HeadSettings(
         data=args.data,
-        taps=head_recipe.default_taps(num_layers) if args.head == "eagle3" else (),
+        arch=args.arch,
+        taps=_taps(args, num_layers),
         num_layers=args.head_layers,
         ttt_depth=args.ttt_depth,
         draft_vocab=args.draft_vocab,
@@ -140,6 +150,17 @@ def _settings(args: argparse.Namespace, num_layers: int, seeds: tuple[int, ...])
         learning_rate=args.learning_rate or 3e-4,
         seeds=seeds,
     )
+
+
+def _taps(args: argparse.Namespace, num_layers: int) -> tuple[int, ...]:
+    """The target blocks the head fuses, as ``--head`` and ``--arch`` say."""
+    from jaxcert.training import head_recipe
+
+    if args.arch == "eagle3":
+        if args.head != "eagle3" or args.head_layers != 1:
+            raise ValueError("--arch eagle3: the published head is --head eagle3, --head-layers 1")
+        return head_recipe.engine_taps(num_layers)
+    return head_recipe.default_taps(num_layers) if args.head == "eagle3" else ()
 
 
 def _objectives(spec: str, weight: float, margin: float):

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 __all__ = [
     "HeadSettings",
     "default_taps",
+    "engine_taps",
     "draft_vocabulary",
     "evaluate_head",
     "evaluate_heads",
@@ -51,6 +52,20 @@ __all__ = [
     "split_sequences",
     "train_one",
 ]
+
+
+def engine_taps(num_layers: int) -> tuple[int, ...]:
+    """The states the engines' EAGLE-3 heads read by default: the streams entering target
+    layers ``2``, ``L // 2`` and ``L - 3`` (vLLM, speculators; SpecForge's leaving
+    ``1``, ``L // 2 - 1``, ``L - 4``), jaxcert's taps ``(1, L // 2 - 1, L - 4)``
+    (`jaxcert.models.eagle3`).
+
+    Raises:
+      ValueError: fewer than 6 target blocks (the three would not be distinct).
+    """
+    if num_layers < 6:
+        raise ValueError(f"the engines' EAGLE-3 taps need >= 6 target blocks, got {num_layers}.")
+    return (1, num_layers // 2 - 1, num_layers - 4)
 
 
 def default_taps(num_layers: int) -> tuple[int, ...]:
@@ -68,6 +83,8 @@ class HeadSettings:
     Attributes:
       data: ``'replies'`` (the prompt set's own replies, e.g. ShareGPT's assistant turns)
         or ``'greedy'`` (the target's greedy continuations).
+      arch: the head's `EagleHead` arch: ``'jaxcert'`` or ``'eagle3'`` (the published
+        layer the engines serve; one layer, three taps).
       taps: target blocks the head fuses (``()``: EAGLE-1, the final-norm state).
       num_layers: the head's decoder blocks.
       ttt_depth: drafted tokens a round the loss covers ("training-time test",
@@ -84,6 +101,7 @@ class HeadSettings:
     """
 
     data: str = "replies"
+    arch: str = "jaxcert"
     taps: tuple[int, ...] = ()
     num_layers: int = 1
     ttt_depth: int = 1
@@ -101,6 +119,8 @@ class HeadSettings:
     def __post_init__(self) -> None:
         if self.data not in ("replies", "greedy"):
             raise ValueError(f"data must be 'replies' or 'greedy', got {self.data!r}")
+        if self.arch not in ("jaxcert", "eagle3"):
+            raise ValueError(f"arch must be 'jaxcert' or 'eagle3', got {self.arch!r}")
         check_int("ttt_depth", self.ttt_depth)
 
 
@@ -226,6 +246,7 @@ def train_one(
         num_layers=settings.num_layers,
         taps=settings.taps,
         draft_vocab=vocab,
+        arch=settings.arch,
     )
     head, history = train_head_on_records(
         head,
@@ -253,25 +274,30 @@ def run_key(
 ) -> dict[str, Any]:
     """What a head folder's training depends on: the trained sequences (a digest of their
     tokens), the objective, the seed, the head's shape and the optimisation settings
-    (``ttt_depth`` only when it is not 1, so that earlier folders keep their keys)."""
+    (``ttt_depth`` only when it is not 1 and ``arch`` only when it is not ``'jaxcert'``, so
+    that earlier folders keep their keys)."""
     import hashlib
 
     digest = hashlib.sha256(np.ascontiguousarray(records.tokens).tobytes()).hexdigest()[:16]
     vocab_digest = None
     if vocab is not None:
         vocab_digest = hashlib.sha256(np.asarray(vocab, np.int64).tobytes()).hexdigest()[:16]
-    return {
-        "records": digest,
-        "sequences": int(records.tokens.shape[0]),
-        "objective": dataclasses.asdict(objective) | {"rule": str(objective.rule)},
-        "seed": seed,
-        "taps": list(settings.taps),
-        "num_layers": settings.num_layers,
-        "draft_vocab": vocab_digest,
-        "steps": settings.steps,
-        "batch_size": settings.batch_size,
-        "learning_rate": settings.learning_rate,
-    } | ({"ttt_depth": settings.ttt_depth} if settings.ttt_depth != 1 else {})
+    return (
+        {
+            "records": digest,
+            "sequences": int(records.tokens.shape[0]),
+            "objective": dataclasses.asdict(objective) | {"rule": str(objective.rule)},
+            "seed": seed,
+            "taps": list(settings.taps),
+            "num_layers": settings.num_layers,
+            "draft_vocab": vocab_digest,
+            "steps": settings.steps,
+            "batch_size": settings.batch_size,
+            "learning_rate": settings.learning_rate,
+        }
+        | ({"ttt_depth": settings.ttt_depth} if settings.ttt_depth != 1 else {})
+        | ({"arch": settings.arch} if settings.arch != "jaxcert" else {})
+    )
 
 
 def _check_run_key(folder: pathlib.Path, key: dict[str, Any]) -> None:
