@@ -229,6 +229,11 @@ class EagleHead(nnx.Module):
         ``"oov"`` (``oov_logit``) or ``"-inf"`` (as the engines draft).
     """
 
+    embed_norm: RMSNorm | None
+    context_norm: RMSNorm | None
+    fc: nnx.Param | None
+    layers: nnx.List[Any]
+
     def __init__(
         self,
         target_config: ModelConfig,
@@ -438,6 +443,7 @@ class EagleHead(nnx.Module):
             )  # fmt: skip
             x = constrain(self.layout, x, ("batch", None, "embed"))
             return x, KVCache(keys=(k_buf,), values=(v_buf,), length=cache.length)
+        assert self.embed_norm is not None and self.context_norm is not None and self.fc
         x = jnp.concatenate([self.embed_norm(x), self.context_norm(context)], axis=-1)
         x = jnp.einsum("BTF,FE->BTE", x, self.fc[...].astype(self.dtype))  # F = 2E
         x = constrain(self.layout, x, ("batch", None, "embed"))

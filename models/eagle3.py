@@ -62,6 +62,7 @@ __all__ = [
     "FORMATS",
     "engine_format",
     "export_head",
+    "head_target_config",
     "import_head",
     "read_head",
 ]
@@ -286,6 +287,24 @@ def engine_format(folder: str | os.PathLike) -> str | None:
     return None
 
 
+def head_target_config(folder: str | os.PathLike, target: ModelConfig) -> ModelConfig:
+    """`target` with the vocabulary size an engine folder's head drafts over (for comparing
+    vocabularies before anything is loaded).
+
+    Raises:
+      ValueError: no readable ``config.json`` of an engine head, or no ``vocab_size``.
+    """
+    import dataclasses
+
+    fmt = engine_format(folder)
+    if fmt is None:
+        raise ValueError(f"{folder}: no config.json of an EAGLE-3 or speculators head.")
+    config = json.loads((pathlib.Path(folder) / "config.json").read_text())
+    layer = config.get("transformer_layer_config") or {} if fmt == "speculators" else config
+    vocab = _fields(layer, f"{pathlib.Path(folder) / 'config.json'}")("vocab_size")
+    return dataclasses.replace(target, vocab_size=vocab)
+
+
 def read_head(folder: str | os.PathLike, target: Transformer | None = None) -> EagleHead:
     """A head in any of the three layouts: jaxcert's (`save_head`), ``eagle3`` or
     ``speculators`` (`import_head`, which needs the `target`).
@@ -331,7 +350,9 @@ def import_head(folder: str | os.PathLike, target: Transformer) -> EagleHead:
     if fmt is None:
         raise ValueError(f"{folder}: no config.json of an EAGLE-3 or speculators head.")
     config = json.loads((folder / "config.json").read_text())
-    layer = dict(config.get("transformer_layer_config") or {}) if fmt == "speculators" else config
+    layer: dict[str, Any] = (
+        dict(config.get("transformer_layer_config") or {}) if fmt == "speculators" else config
+    )
     if fmt == "speculators":
         for key in ("draft_vocab_size", "norm_before_residual", "target_hidden_size"):
             if key in config:
@@ -369,15 +390,15 @@ def import_head(folder: str | os.PathLike, target: Transformer) -> EagleHead:
             f"[{shift}, {n + shift}), got {aux!r}."
         )
     heads = field("num_attention_heads")
-    head_cfg = dict(
+    rope = layer.get("rope_parameters") or {}
+    theta = rope.get("rope_theta", layer.get("rope_theta", 1e4))
+    head_cfg: dict[str, Any] = dict(
         num_heads=heads,
         num_kv_heads=field("num_key_value_heads", default=heads),
         head_dim=field("head_dim", default=t.hidden_size // heads),
         intermediate_size=field("intermediate_size"),
         rms_norm_eps=float(layer.get("rms_norm_eps", t.rms_norm_eps)),
-        rope_theta=float(
-            (layer.get("rope_parameters") or {}).get("rope_theta", layer.get("rope_theta", 1e4))
-        ),
+        rope_theta=float(theta),
     )
     for option in ("fc_norm", "norm_before_fc", "norm_output"):
         if layer.get(option) or config.get(option):

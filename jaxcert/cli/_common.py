@@ -58,7 +58,8 @@ def load_model(option: str, name_or_path, **kwargs):
 
 def load_drafter(name_or_path, target, **kwargs):
     """The ``--drafter``: a language model (``models.load``), a draft head folder
-    (``models.eagle.save_head``), checked against ``target`` (a ``models.LoadedModel``), or
+    (``models.eagle.save_head``, or an EAGLE-3 / speculators folder read by
+    ``models.eagle3.read_head``), checked against ``target`` (a ``models.LoadedModel``), or
     ``ngram:N[:MIN]`` (a :class:`jaxcert.decoding.NgramDrafter` of the target's vocabulary,
     returned as the module itself).
 
@@ -79,10 +80,13 @@ def load_drafter(name_or_path, target, **kwargs):
         raise ValueError(f"--drafter: {err}") from None
     if ngram is not None:
         return ngram.for_vocabulary(target.config.vocab_size)
-    if not eagle.is_head_folder(name_or_path):
+    from jaxcert.models import eagle3
+
+    engine = eagle3.engine_format(name_or_path) is not None
+    if not eagle.is_head_folder(name_or_path) and not engine:
         return load_model("--drafter", name_or_path, **kwargs)
     try:
-        head = eagle.load_head(name_or_path)
+        head = eagle3.read_head(name_or_path, target.model)
         eagle.check_head_fits(head, target.config)
     except ValueError as err:
         raise ValueError(f"--drafter: {err}") from None
@@ -109,7 +113,7 @@ def check_vocabularies(target, drafter) -> None:
     """
     from jaxcert import models
     from jaxcert.decoding.ngram import parse_ngram
-    from jaxcert.models import eagle
+    from jaxcert.models import eagle, eagle3
 
     try:
         if parse_ngram(str(drafter)) is not None:  # it takes the target's vocabulary
@@ -121,6 +125,9 @@ def check_vocabularies(target, drafter) -> None:
         try:
             if eagle.is_head_folder(name_or_path):  # a draft head: its target's config
                 configs.append(eagle.read_head_config(name_or_path))
+                continue
+            if eagle3.engine_format(name_or_path) is not None:  # an EAGLE-3 / speculators head
+                configs.append(eagle3.head_target_config(name_or_path, configs[0]))
                 continue
             configs.append(models.read_config(name_or_path))
         except ValueError as err:

@@ -133,3 +133,65 @@ def test_decode_refuses_a_head_of_another_target(files, monkeypatch, capsys):
     assert "--drafter: the draft head was built for another target: num_layers 3 (head)" in (
         capsys.readouterr().err
     )
+
+
+def test_export_head_then_decode_with_the_engines_layouts(files, monkeypatch, capsys):
+    """A head trained here, exported as SpecForge and speculators write it, drafts here
+    again from the exported folder, identical to the target (greedy and tree)."""
+    import dataclasses
+
+    from flax import nnx
+
+    from jaxcert.models import EagleHead
+    from jaxcert.models.eagle import save_head
+
+    monkeypatch.setenv("JAXCERT_CACHE", str(files["root"] / "cache"))
+    deep = dataclasses.replace(CONFIG, num_layers=3)
+    target = random_model(deep, seed=8)
+    target_file = write_gguf(target, files["root"] / "deep.gguf")
+    head = EagleHead.from_target(
+        target, rngs=nnx.Rngs(2), taps=(0, 1, 2), arch="eagle3", draft_vocab=list(range(0, 48, 2))
+    )
+    saved = save_head(head, files["root"] / "eagle3-head")
+    for fmt in ("eagle3", "speculators"):
+        exported = files["root"] / f"exported-{fmt}"
+        argv = ["export-head", str(saved), "--format", fmt, "--out", str(exported)]
+        assert cli.main(argv) == 0, capsys.readouterr().err
+        assert "aux layers [1, 2, 3]" in capsys.readouterr().out
+        assert cli.main(argv) == 2  # refuses to overwrite
+        assert "exists; pass --overwrite" in capsys.readouterr().err
+        out = files["root"] / f"decode-{fmt}"
+        argv = ["decode", "--target", str(target_file), "--drafter", str(exported),
+                "--prompts", str(files["prompts"]), "--policy", "constant:3",
+                "--verify", "tree:2x2", "--max-new-tokens", "8", "--batch-size", "2",
+                "--out", str(out)]  # fmt: skip
+        assert cli.main(argv) == 0, capsys.readouterr().err
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["identical_outputs"] == "2/2"
+    # an engine folder is read against its target: export-head needs --target then
+    argv = ["export-head", str(files["root"] / "exported-eagle3"), "--format", "speculators",
+            "--out", str(files["root"] / "again")]  # fmt: skip
+    assert cli.main(argv) == 2
+    assert "--target: an EAGLE-3 or speculators folder" in capsys.readouterr().err
+    assert cli.main(argv + ["--target", str(target_file)]) == 0
+    config = json.loads((files["root"] / "again" / "config.json").read_text())
+    assert config["speculators_config"]["verifier"]["name_or_path"] == str(target_file)
+
+
+def test_export_model_writes_a_folder_that_loads_back(files, monkeypatch, capsys):
+    import numpy as np
+    from flax import nnx
+
+    from jaxcert import models
+
+    monkeypatch.setenv("JAXCERT_CACHE", str(files["root"] / "cache"))
+    out = files["root"] / "target-hf"
+    assert cli.main(["export-model", str(files["target"]), "--out", str(out)]) == 0
+    a, b = models.load(files["target"]).model, models.load(out).model
+    for (path, x), (other, y) in zip(
+        nnx.to_flat_state(nnx.state(a)), nnx.to_flat_state(nnx.state(b)), strict=True
+    ):
+        assert path == other
+        np.testing.assert_array_equal(np.asarray(x.get_value()), np.asarray(y.get_value()))
+    assert cli.main(["export-model", str(files["target"]), "--out", str(out)]) == 2
+    assert "exists; pass --overwrite" in capsys.readouterr().err
