@@ -55,8 +55,19 @@ def add_parser(sub) -> None:
         default=DEFAULT_DRAFTER,
         help="the same for the drafter, with the target's vocabulary; a draft head's "
         "folder (head.json + head.safetensors, written by jaxcert.models.eagle.save_head) "
-        "trained for the target; or ngram:N[:MIN], prompt lookup of the last N (at least "
-        "MIN) tokens in the prompt and output, no model (default %(default)s)",
+        "trained for the target, or an EAGLE-3 (SpecForge) or speculators folder; or "
+        "ngram:N[:MIN], prompt lookup of the last N (at least MIN) tokens in the prompt and "
+        "output, no model (default %(default)s)",
+    )
+    p.add_argument(
+        "--head-outside",
+        choices=("oov", "-inf"),
+        default=None,
+        help="a draft head with a reduced vocabulary: the logit of the tokens outside it, "
+        "-inf as the engines draft (the default of EAGLE-3 heads; KL and certificates are "
+        "then infinite wherever the target puts mass outside) or the head's shared learnt "
+        "logit (finite KL; the default of jaxcert's own heads); greedy drafts are the same "
+        "unless the shared logit beats every drafted one (default: the head's own)",
     )
     add_prompt_arguments(p)
     p.add_argument(
@@ -275,6 +286,9 @@ def _load(args, mesh):
     t0 = time.perf_counter()
     target = load_model("--target", args.target, mesh=mesh)  # each weight onto its shards
     drafter = load_drafter(args.drafter, target, mesh=mesh)
+    head = getattr(drafter, "model", None)
+    if args.head_outside is not None and hasattr(head, "outside"):
+        head.outside = args.head_outside
     decoding.check_pair(target, drafter)
     return target, drafter, time.perf_counter() - t0
 

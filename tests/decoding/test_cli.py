@@ -168,6 +168,15 @@ def test_export_head_then_decode_with_the_engines_layouts(files, monkeypatch, ca
         assert cli.main(argv) == 0, capsys.readouterr().err
         summary = json.loads((out / "summary.json").read_text())
         assert summary["identical_outputs"] == "2/2"
+        # the engines draft with -inf outside the draft vocabulary: KL(p||q) is infinite
+        assert summary["speculative"]["mean_kl"] is None
+    # with the shared logit, the same drafts at T = 0 and a finite KL to certify
+    out = files["root"] / "decode-oov"
+    argv[argv.index("--out") + 1] = str(out)
+    assert cli.main(argv + ["--head-outside", "oov"]) == 0, capsys.readouterr().err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["identical_outputs"] == "2/2"
+    assert 0 < summary["speculative"]["mean_kl"] < float("inf")
     # an engine folder is read against its target: export-head needs --target then
     argv = ["export-head", str(files["root"] / "exported-eagle3"), "--format", "speculators",
             "--out", str(files["root"] / "again")]  # fmt: skip
