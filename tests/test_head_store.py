@@ -537,3 +537,39 @@ def test_head_recipe_holds_out_the_last_fitting_prompts_generated_first(
     with pytest.raises(ValueError, match=r"5 prompts fit 64 tokens: too few to hold out 5 "
                                          r"\(raise --max-prompts"):  # fmt: skip
         head_recipe.sequences(greedy_target, _greedy_prompts(), too_many)
+
+
+def test_published_eagle3_head_trains_on_records_with_exact_window_terms(tmp_path):
+    """An ``arch="eagle3"`` head: its window KL (lm_head after the final norm, the shared
+    outside logit) equals the full-vocabulary KL of its ``outside="oov"`` logits, and
+    training on records lowers it."""
+    from jaxcert.decoding.protocols import context_before
+
+    deep = random_model(tiny_config(vocab_size=V, num_layers=4, max_position_embeddings=64))
+    taps = (0, 1, 2)
+    seqs = _sequences(6, seed=3)
+    store = head_data.write_store(
+        deep, seqs, tmp_path / "s", _spec(taps=taps, top_k=V, batch_size=6)
+    )
+    rec = store.load()
+    head = EagleHead.from_target(
+        deep, rngs=nnx.Rngs(2), taps=taps, draft_vocab=np.arange(0, V, 2), arch="eagle3"
+    )
+    batch = {k: jnp.asarray(getattr(rec, k)) for k in ("tokens", "states", "top_logp", "top_ids")}
+    batch["certificate"] = jnp.asarray(rec.certificate)
+    kl, _, _, _ = window_terms(head, batch)
+    b, t = batch["tokens"].shape
+    q_logits, _ = head(
+        batch["tokens"], head.init_cache(b, t), context=context_before(head, batch["states"]),
+        outside="oov",
+    )  # fmt: skip
+    lengths = np.asarray([len(s.tokens) for s in seqs])
+    direct = target_states(deep, np.asarray(rec.tokens), lengths, taps)
+    want = losses.kl_divergence(drafter_logits=q_logits, target_logits=direct.logits)
+    m = rec.mask
+    np.testing.assert_allclose(np.asarray(kl)[m], np.asarray(want)[m], atol=2e-4, rtol=1e-4)
+    objective = Objective("kl+tv", tv_weight=1.0)
+    kw = dict(rule_names=store.spec.rules, steps=6, batch_size=3, learning_rate=3e-3, seed=0)
+    trained, history = train_head_on_records(head, rec, objective, **kw)
+    assert history[-1]["kl"] < history[0]["kl"]
+    assert trained.arch == "eagle3" and trained.outside == "-inf"
