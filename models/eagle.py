@@ -276,6 +276,11 @@ class EagleHead(nnx.Module):
                 f"an eagle3 head has one layer and three taps, got num_layers={num_layers}, "
                 f"taps={taps}."
             )
+        if arch == "eagle3" and list(taps) != sorted(taps):
+            raise ValueError(
+                f"an eagle3 head's taps must increase (the engines concatenate the states in "
+                f"layer order), got {taps}."
+            )
         v, e = target_config.vocab_size, target_config.hidden_size
         ids = None if draft_vocab is None else _check_draft_vocab(draft_vocab, v)
         self.arch = arch
@@ -635,13 +640,21 @@ def load_head(folder: str | os.PathLike) -> EagleHead:
     folder = pathlib.Path(folder)
     if not (folder / "head.json").is_file() or not (folder / "head.safetensors").is_file():
         raise ValueError(f"{folder} lacks head.json or head.safetensors (see save_head).")
-    meta = json.loads((folder / "head.json").read_text())
+    try:
+        meta = json.loads((folder / "head.json").read_text())
+    except ValueError as e:
+        raise ValueError(f"{folder / 'head.json'}: not readable JSON ({e}).") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{folder / 'head.json'}: not a JSON object.")
     if meta.get("format") != "jaxcert-eagle-head" or meta.get("version") != FORMAT_VERSION:
         raise ValueError(
             f"{folder / 'head.json'}: format {meta.get('format')!r} version "
             f"{meta.get('version')!r}; expected 'jaxcert-eagle-head' {FORMAT_VERSION}."
         )
-    tensors = load_file(str(folder / "head.safetensors"))
+    try:
+        tensors = load_file(str(folder / "head.safetensors"))
+    except Exception as e:  # safetensors' own error types: empty, truncated, corrupt
+        raise ValueError(f"{folder / 'head.safetensors'}: cannot be read ({e}).") from None
     cfg = dict(meta["target_config"], eos_token_ids=tuple(meta["target_config"]["eos_token_ids"]))
     size = meta["draft_vocab_size"]
     ids = None if size is None else np.asarray(tensors.get("draft_vocab", np.zeros(0, np.int32)))

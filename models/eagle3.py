@@ -43,10 +43,11 @@ norm), which neither arch is.
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax.numpy as jnp
@@ -162,8 +163,9 @@ def export_head(
     *,
     format: str = "eagle3",
     dtype: str = "float32",
-    verifier: str | None = None,
+    verifier: str | os.PathLike | None = None,
     overwrite: bool = False,
+    keep: Iterable[str | os.PathLike] = (),
 ) -> pathlib.Path:
     """Writes `head` as a folder the engines load (see the module docstring); returns it.
 
@@ -174,10 +176,13 @@ def export_head(
       dtype: ``"float32"`` or ``"bfloat16"`` for the weights (``d2t`` int64, ``t2d`` bool).
       verifier: the target's name or folder, recorded in a ``speculators`` config.
       overwrite: replace an existing `out`.
+      keep: the head's and target's folders, which `out` must not hold
+        (`jaxcert.base.folders.new_folder`).
 
     Raises:
-      ValueError: a ``jaxcert``-arch head, an unknown `format` or `dtype`, or an existing
-        `out` without `overwrite`; nothing is left behind.
+      ValueError: a ``jaxcert``-arch head, an unknown `format` or `dtype`, an `out` that
+        exists without `overwrite` or may not be written (`new_folder`); nothing is left
+        behind.
     """
     from safetensors.numpy import save_file
 
@@ -206,8 +211,10 @@ def export_head(
         metadata[_OOV_KEY] = f"{bits:08x}"
     config = _layer_config(head, dtype)
     if format == "speculators":
-        config = _speculators_config(config, verifier, head.target_config)
-    with new_folder(out, overwrite=overwrite) as tmp:
+        config = _speculators_config(
+            config, None if verifier is None else str(verifier), head.target_config
+        )
+    with new_folder(out, overwrite=overwrite, keep=keep) as tmp:
         save_file(tensors, str(tmp / _WEIGHTS), metadata=metadata)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return pathlib.Path(out)
@@ -270,16 +277,20 @@ def _set(tree: dict, path: tuple, value: Any) -> None:
 
 def engine_format(folder: str | os.PathLike) -> str | None:
     """``"eagle3"`` or ``"speculators"`` if `folder` holds a head in that layout (judged from
-    its ``config.json``), else ``None``."""
+    its ``config.json``), else ``None``.
+
+    Raises:
+      ValueError: a ``config.json`` that is not a readable JSON object.
+    """
     path = pathlib.Path(folder) / "config.json"
     if not path.is_file():
         return None
     try:
         config = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not readable JSON ({e}).") from None
     if not isinstance(config, dict):
-        return None
+        raise ValueError(f"{path}: not a JSON object.")
     if config.get("speculators_model_type") == "eagle3":
         return "speculators"
     if any("eagle3" in str(a).lower() for a in config.get("architectures") or ()):
@@ -350,10 +361,13 @@ def import_head(folder: str | os.PathLike, target: Transformer) -> EagleHead:
     if fmt is None:
         raise ValueError(f"{folder}: no config.json of an EAGLE-3 or speculators head.")
     config = json.loads((folder / "config.json").read_text())
-    layer: dict[str, Any] = (
-        dict(config.get("transformer_layer_config") or {}) if fmt == "speculators" else config
-    )
+    where = f"{folder / 'config.json'}"
+    layer: dict[str, Any] = config
     if fmt == "speculators":
+        layer = config.get("transformer_layer_config")  # type: ignore[assignment]
+        if not isinstance(layer, dict):
+            raise ValueError(f"{where}: transformer_layer_config must be a JSON object.")
+        layer = dict(layer)
         for key in ("draft_vocab_size", "norm_before_residual", "target_hidden_size"):
             if key in config:
                 layer.setdefault(key, config[key])
@@ -361,7 +375,6 @@ def import_head(folder: str | os.PathLike, target: Transformer) -> EagleHead:
             layer.setdefault(
                 "eagle_aux_hidden_state_layer_ids", config["eagle_aux_hidden_state_layer_ids"]
             )
-    where = f"{folder / 'config.json'}"
     t = target.config
     field = _fields(layer, where)
     for name, want in (
@@ -369,39 +382,28 @@ def import_head(folder: str | os.PathLike, target: Transformer) -> EagleHead:
         ("target_hidden_size", t.hidden_size),
         ("hidden_size", t.hidden_size),
     ):
-        got = field(name, default=t.hidden_size if name == "target_hidden_size" else None)
+        got = field(name, **({"default": t.hidden_size} if name == "target_hidden_size" else {}))
         if got != want:
             raise ValueError(f"{where}: {name} is {got}, the target's is {want}.")
+    _check_layer_options(layer, where)
     if field("num_hidden_layers", default=1) != 1:
         raise ValueError(f"{where}: num_hidden_layers must be 1 (one EAGLE-3 layer).")
-    n = t.num_layers
-    aux, shift = layer.get("eagle_aux_hidden_state_layer_ids"), 1  # the layer it enters
-    if aux is None and isinstance(layer.get("eagle_config"), dict):
-        aux, shift = layer["eagle_config"].get("eagle_aux_hidden_state_layer_ids"), 0  # leaves
-    if aux is None:
-        aux = [2, n // 2, n - 3]  # the engines' default, counted by the layer it enters
-    if (
-        not isinstance(aux, list)
-        or len(aux) != 3
-        or any(not isinstance(i, int) or not shift <= i < n + shift for i in aux)
-    ):
-        raise ValueError(
-            f"{where}: eagle_aux_hidden_state_layer_ids must be three target layers in "
-            f"[{shift}, {n + shift}), got {aux!r}."
-        )
+    aux, shift = _aux_layers(layer, t.num_layers, where)
     heads = field("num_attention_heads")
     rope = layer.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise ValueError(f"{where}: rope_parameters must be a JSON object.")
     theta = rope.get("rope_theta", layer.get("rope_theta", 1e4))
     head_cfg: dict[str, Any] = dict(
         num_heads=heads,
         num_kv_heads=field("num_key_value_heads", default=heads),
         head_dim=field("head_dim", default=t.hidden_size // heads),
         intermediate_size=field("intermediate_size"),
-        rms_norm_eps=float(layer.get("rms_norm_eps", t.rms_norm_eps)),
-        rope_theta=float(theta),
+        rms_norm_eps=_positive(layer.get("rms_norm_eps", t.rms_norm_eps), "rms_norm_eps", where),
+        rope_theta=_positive(theta, "rope_theta", where),
     )
     for option in ("fc_norm", "norm_before_fc", "norm_output"):
-        if layer.get(option) or config.get(option):
+        if _flag(layer, option, where) or _flag(config, option, where):
             raise ValueError(f"{where}: {option} heads are not supported (only plain EAGLE-3).")
 
     try:
@@ -416,7 +418,7 @@ def import_head(folder: str | os.PathLike, target: Transformer) -> EagleHead:
     t_cfg = dataclasses.replace(t, **head_cfg)  # the layer's sizes, the target's vocabulary
     draft_size = field("draft_vocab_size", default=t.vocab_size)
     ids = _draft_ids(stored, draft_size, t.vocab_size, folder / _WEIGHTS)
-    bias = bool(layer.get("attention_bias", False))
+    bias = _flag(layer, "attention_bias", where)
     expected = _tensor_map(t_cfg, bias, fmt)
     optional = {"embed_tokens.weight", "d2t", "t2d"}
     missing = sorted(set(expected) - names)
@@ -425,8 +427,15 @@ def import_head(folder: str | os.PathLike, target: Transformer) -> EagleHead:
         raise ValueError(
             f"{folder / _WEIGHTS}: missing tensors {missing[:6]}, unexpected {extra[:6]}."
         )
-    dtype = stored["lm_head.weight"].dtype
-    param_dtype = jnp.bfloat16 if dtype.name == "bfloat16" else jnp.dtype(dtype)
+    dtypes = {stored[name].dtype.name for name in expected} | (
+        {stored["embed_tokens.weight"].dtype.name} if "embed_tokens.weight" in stored else set()
+    )
+    if len(dtypes) != 1 or not dtypes <= {"float32", "bfloat16", "float16"}:
+        raise ValueError(
+            f"{folder / _WEIGHTS}: the weights must share one float dtype (float32, bfloat16 "
+            f"or float16), got {sorted(dtypes)}."
+        )
+    param_dtype = jnp.dtype(dtypes.pop())
     if not _same_sizes(t, t_cfg):
         raise ValueError(
             f"{where}: the layer's sizes {head_cfg} differ from the target's; jaxcert runs "
@@ -441,7 +450,7 @@ def import_head(folder: str | os.PathLike, target: Transformer) -> EagleHead:
         dtype=param_dtype,
         param_dtype=param_dtype,
         # absent: SpecForge's layer (after); vLLM reads an absent speculators field as True
-        norm_before_residual=bool(layer.get("norm_before_residual", fmt == "speculators")),
+        norm_before_residual=_flag(layer, "norm_before_residual", where, fmt == "speculators"),
         attention_bias=bias,
     )
     graphdef, state = nnx.split(head)
@@ -465,10 +474,90 @@ def import_head(folder: str | os.PathLike, target: Transformer) -> EagleHead:
     source = target.embedding[...] if embed is None else embed
     _set(pure, ("embedding",), jnp.asarray(source, param_dtype))
     if _OOV_KEY in meta and head.oov_logit is not None:
-        bits = int(meta[_OOV_KEY], 16)
-        _set(pure, ("oov_logit",), jnp.asarray(np.uint32(bits).view(np.float32)))
+        text = meta[_OOV_KEY]
+        hex_ok = len(text) == 8 and all(c in "0123456789abcdef" for c in text)
+        bits = np.asarray([int(text, 16) if hex_ok else 0x7FC00000], np.uint32)
+        value = bits.view(np.float32)[0]
+        if not np.isfinite(value):
+            raise ValueError(
+                f"{folder / _WEIGHTS}: metadata {_OOV_KEY}={text!r} is not a finite float32."
+            )
+        _set(pure, ("oov_logit",), jnp.asarray(value))
     nnx.replace_by_pure_dict(state, pure)
     return nnx.merge(graphdef, state)
+
+
+def _flag(config: Mapping[str, Any], name: str, where: str, default: bool = False) -> bool:
+    """A boolean field of the config (JSON ``true`` / ``false``), named when it is not one."""
+    value = config.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ValueError(f"{where}: {name} must be true or false, got {value!r}.")
+    return value
+
+
+def _positive(value: Any, name: str, where: str) -> float:
+    """A positive finite number of the config, named when it is not one."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"{where}: {name} must be a positive number, got {value!r}.")
+    return float(value)
+
+
+def _check_layer_options(layer: Mapping[str, Any], where: str) -> None:
+    """Refuses config fields that would change the layer jaxcert runs."""
+    model_type = layer.get("model_type", "llama")
+    if model_type != "llama":
+        raise ValueError(f"{where}: model_type {model_type!r}; jaxcert runs Llama EAGLE-3 layers.")
+    if layer.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{where}: hidden_act {layer['hidden_act']!r}; only silu is supported.")
+    if layer.get("rope_scaling") not in (None, {}):
+        raise ValueError(f"{where}: rope_scaling is not supported.")
+    rope = layer.get("rope_parameters")
+    if isinstance(rope, dict) and rope.get("rope_type", "default") != "default":
+        raise ValueError(
+            f"{where}: rope_parameters.rope_type {rope['rope_type']!r} is not supported."
+        )
+    for name in ("mlp_bias", "tie_word_embeddings"):
+        if _flag(layer, name, where):
+            raise ValueError(f"{where}: {name} is not supported in an EAGLE-3 head.")
+
+
+def _aux_layers(layer: Mapping[str, Any], n: int, where: str) -> tuple[list[int], int]:
+    """The three aux layers in ascending order (the engines concatenate the states in layer
+    order) and the count they use: 1 for the layer entered (top level), 0 for the layer left
+    (``eagle_config``)."""
+    name = "eagle_aux_hidden_state_layer_ids"
+    top = layer.get(name)
+    nested = layer.get("eagle_config")
+    if nested is not None and not isinstance(nested, dict):
+        raise ValueError(f"{where}: eagle_config must be a JSON object, got {nested!r}.")
+    inner = None if nested is None else nested.get(name)
+    if top is not None:
+        aux, shift, field = top, 1, name
+        if inner is not None and (
+            not isinstance(inner, list)
+            or not isinstance(top, list)
+            or sorted(i + 1 for i in inner if isinstance(i, int)) != sorted(top)
+        ):
+            raise ValueError(f"{where}: {name} {top!r} and eagle_config's {inner!r} disagree.")
+    elif inner is not None:
+        aux, shift, field = inner, 0, f"eagle_config.{name}"
+    else:
+        return [2 - 1, n // 2 - 1, n - 3 - 1], 0  # the engines' default (2, L / 2, L - 3)
+    if (
+        not isinstance(aux, list)
+        or len(aux) != 3
+        or any(
+            isinstance(i, bool) or not isinstance(i, int) or not shift <= i < n + shift for i in aux
+        )
+        or len(set(aux)) != 3
+    ):
+        raise ValueError(
+            f"{where}: {field} must be three distinct target layers in [{shift}, {n + shift}), "
+            f"got {aux!r}."
+        )
+    return sorted(aux), shift
 
 
 def _same_sizes(a: ModelConfig, b: ModelConfig) -> bool:
@@ -482,7 +571,7 @@ def _fields(config: Mapping[str, Any], where: str) -> Callable[..., int]:
 
     def field(name: str, default: Any = missing) -> int:
         value = config.get(name, default)
-        if value is missing:
+        if value is missing or value is None and default is missing:
             raise ValueError(f"{where}: no {name}.")
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{where}: {name} must be a positive integer, got {value!r}.")

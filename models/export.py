@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+from collections.abc import Iterable
 from typing import Any
 
 import jax.numpy as jnp
@@ -24,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from jaxcert.base.folders import new_folder
+from jaxcert.base.validate import check_int
 from jaxcert.models._weights import LoadedModel, hf_layout
 from jaxcert.models.config import ModelConfig
 
@@ -63,6 +65,16 @@ def hf_config_dict(config: ModelConfig, dtype: str = "float32") -> dict[str, Any
         "pad_token_id": c.pad_token_id,
         "torch_dtype": dtype,
     }  # fmt: skip
+    if c.qk_norm != (c.architecture == "qwen3"):
+        raise ValueError(
+            f"a {c.architecture} config {'has no' if c.qk_norm else 'has'} q/k norms in Hugging "
+            f"Face's classes; this model has qk_norm={c.qk_norm}."
+        )
+    if c.rope_layout != "half" and c.architecture != "llama":
+        raise ValueError(
+            f"only a llama's interleaved rotary rows are put back in rotate-half order; this "
+            f"{c.architecture} has rope_layout={c.rope_layout!r}."
+        )
     if c.architecture == "qwen2":
         if not c.qkv_bias or c.o_bias:
             raise ValueError("a qwen2 config has q/k/v biases and no output bias.")
@@ -93,6 +105,7 @@ def save_hf(
     dtype: str = "float32",
     max_shard_bytes: int = 2 * 1024**3,
     overwrite: bool = False,
+    keep: Iterable[str | os.PathLike] = (),
 ) -> pathlib.Path:
     """Writes `loaded` (a model from `jaxcert.models.load`) as a Hugging Face folder.
 
@@ -105,19 +118,22 @@ def save_hf(
         with an index, as transformers does); one file is converted at a time, so the extra
         memory is one shard.
       overwrite: replace an existing `out`.
+      keep: folders `out` must not hold (the model's own; `jaxcert.base.folders.new_folder`).
 
     Returns:
       The folder.
 
     Raises:
-      ValueError: an unknown `dtype`, an existing `out` without `overwrite`, a config Hugging
-        Face cannot express (`hf_config_dict`).
+      ValueError: an unknown `dtype`, a `max_shard_bytes` that is not a positive integer,
+        an `out` that exists without `overwrite` or may not be written (`new_folder`), a
+        config Hugging Face cannot express (`hf_config_dict`).
     """
     import transformers
     from safetensors.numpy import save_file
 
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {tuple(_DTYPES)}, got {dtype!r}.")
+    check_int("max_shard_bytes", max_shard_bytes)
     config = loaded.config
     kwargs = hf_config_dict(config, dtype)
     model_type = kwargs.pop("model_type")
@@ -147,7 +163,7 @@ def save_hf(
             size = 0
         shards[-1].append(name)
         size += nbytes
-    with new_folder(out, overwrite=overwrite) as tmp:
+    with new_folder(out, overwrite=overwrite, keep=keep) as tmp:
         hf.save_pretrained(tmp)
         generation = transformers.GenerationConfig(
             bos_token_id=config.bos_token_id,

@@ -3,7 +3,10 @@ serving engines load (`jaxcert.models.eagle3`, `jaxcert.models.export`)."""
 
 from __future__ import annotations
 
+import os
 import pathlib
+
+from jaxcert.base.folders import check_new_folder
 
 __all__ = ["add_parser", "run_head", "run_model"]
 
@@ -49,7 +52,8 @@ def add_parser(sub) -> None:
 def run_head(args) -> int:
     from jaxcert.models import eagle, eagle3
 
-    _check_out(args.out, args.overwrite)
+    keep = [args.head] + ([args.target] if args.target and os.path.exists(args.target) else [])
+    check_new_folder(args.out, overwrite=args.overwrite, keep=keep)
     target = None
     if not eagle.is_head_folder(args.head) and eagle3.engine_format(args.head) is not None:
         if args.target is None:
@@ -65,6 +69,7 @@ def run_head(args) -> int:
         dtype=args.dtype,
         verifier=args.target,
         overwrite=args.overwrite,
+        keep=keep,
     )
     size = head.draft_size
     print(
@@ -78,14 +83,8 @@ def run_model(args) -> int:
     from jaxcert import models
     from jaxcert.models.export import save_hf
 
-    _check_out(args.out, args.overwrite)
+    check_new_folder(args.out, overwrite=args.overwrite, keep=[args.model])
     loaded = models.load(args.model)
-    out = save_hf(loaded, args.out, dtype=args.dtype, overwrite=args.overwrite)
+    out = save_hf(loaded, args.out, dtype=args.dtype, overwrite=args.overwrite, keep=[args.model])
     print(f"wrote {out} ({loaded.config.architecture}, {args.dtype})")
     return 0
-
-
-def _check_out(out: pathlib.Path, overwrite: bool) -> None:
-    """Refuses an existing ``--out`` before anything is loaded."""
-    if out.exists() and not overwrite:
-        raise ValueError(f"--out {out} exists; pass --overwrite to replace it")

@@ -333,10 +333,56 @@ BAD_FOLDERS = {
     "vocabulary": (None, lambda c: c.update(vocab_size=V + 1), "vocab_size is 65"),
     "aux layers": (
         None,
-        lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 2, 9]),
+        lambda c: (c.pop("eagle_config"), c.update(eagle_aux_hidden_state_layer_ids=[1, 2, 9])),
         "eagle_aux_hidden",
     ),
     "two layers": (None, lambda c: c.update(num_hidden_layers=2), "num_hidden_layers must be 1"),
+    "mixed dtypes": (
+        lambda t: t.update({"fc.weight": t["fc.weight"].astype(np.float16)}),
+        None,
+        "must share one float dtype",
+    ),
+    "integer weights": (
+        lambda t: t.update({"norm.weight": t["norm.weight"].astype(np.int32)}),
+        None,
+        "must share one float dtype",
+    ),
+    "a flag as a string": (
+        None,
+        lambda c: c.update(norm_before_residual="false"),
+        "norm_before_residual must be true or false",
+    ),
+    "gelu": (None, lambda c: c.update(hidden_act="gelu"), "hidden_act 'gelu'"),
+    "qwen3 layer": (None, lambda c: c.update(model_type="qwen3"), "model_type 'qwen3'"),
+    "rope scaling": (None, lambda c: c.update(rope_scaling={"rope_type": "yarn"}), "rope_scaling"),
+    "rope theta string": (
+        None,
+        lambda c: c.update(rope_theta="1e4"),
+        "rope_theta must be a positive",
+    ),
+    "rope parameters list": (None, lambda c: c.update(rope_parameters=[1]), "rope_parameters must"),
+    "eps null": (None, lambda c: c.update(rms_norm_eps=None), "rms_norm_eps must be a positive"),
+    "eagle_config a list": (
+        None,
+        lambda c: c.update(eagle_config=[0, 2, 4]),
+        "eagle_config must be",
+    ),
+    "aux counts disagree": (
+        None,
+        lambda c: c.update(eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 2, 5]}),
+        "disagree",
+    ),
+    "aux repeated": (
+        None,
+        lambda c: (c.pop("eagle_config"), c.update(eagle_aux_hidden_state_layer_ids=[1, 1, 3])),
+        "three distinct",
+    ),
+    "aux bool": (
+        None,
+        lambda c: (c.pop("eagle_config"), c.update(eagle_aux_hidden_state_layer_ids=[True, 3, 5])),
+        "three distinct",
+    ),
+    "no vocab_size": (None, lambda c: c.pop("vocab_size"), "no vocab_size"),
 }
 
 
@@ -421,3 +467,51 @@ def test_variants_jaxcert_does_not_run_are_refused(target, tmp_path, option):
     _edit_config(folder, lambda c: c.update({option: True}))
     with pytest.raises(ValueError, match=f"{option} heads are not supported"):
         import_head(folder, target)
+
+
+def test_unreadable_configs_and_metadata_are_named(target, tmp_path):
+    folder = _exported(target, tmp_path)
+    (folder / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="config.json: not a JSON object"):
+        read_head(folder, target)
+    (folder / "config.json").write_text("{")
+    with pytest.raises(ValueError, match="config.json: not readable JSON"):
+        read_head(folder, target)
+    folder = export_head(_head(target), tmp_path / "m")
+    tensors = load_file(folder / "model.safetensors")
+    for text in ("7fc00000", "zz", "1ffffffff"):
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"jaxcert.oov_logit": text})
+        with pytest.raises(ValueError, match="is not a finite float32"):
+            import_head(folder, target)
+    spec = export_head(_head(target), tmp_path / "s", format="speculators")
+    _edit_config(spec, lambda c: c.update(transformer_layer_config="llama"))
+    with pytest.raises(ValueError, match="transformer_layer_config must be a JSON object"):
+        import_head(spec, target)
+
+
+def test_aux_layers_listed_out_of_order_are_read_in_layer_order(target, tmp_path):
+    """The engines concatenate the aux states in layer order, whatever order the list has."""
+    folder = _exported(target, tmp_path)
+    _edit_config(folder, lambda c: c.pop("eagle_config"))
+    _edit_config(folder, lambda c: c.update(eagle_aux_hidden_state_layer_ids=[5, 1, 3]))
+    assert import_head(folder, target).taps == (0, 2, 4)
+    with pytest.raises(ValueError, match="taps must increase"):
+        EagleHead.from_target(target, taps=(4, 2, 0), arch="eagle3")
+
+
+def test_export_never_replaces_what_it_reads_or_the_working_folder(target, tmp_path, monkeypatch):
+    head = _head(target)
+    saved = save_head(head, tmp_path / "src")
+    (tmp_path / "keepme").write_text("x")
+    monkeypatch.chdir(tmp_path)
+    for out in (".", "", "..", str(tmp_path)):
+        with pytest.raises(ValueError, match="working folder"):
+            export_head(head, out, overwrite=True)
+    with pytest.raises(ValueError, match="holds what is being written out"):
+        export_head(head, saved, overwrite=True, keep=[saved])
+    with pytest.raises(ValueError, match="keepme exists and is not a folder"):
+        export_head(head, "keepme", overwrite=True)
+    with pytest.raises(ValueError, match="is not a folder"):
+        export_head(head, "keepme/sub")
+    assert (tmp_path / "keepme").read_text() == "x" and (saved / "head.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keepme", "src"]

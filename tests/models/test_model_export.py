@@ -111,3 +111,27 @@ def test_configs_hugging_face_cannot_express_are_named():
     config = tiny_models.tiny_config(architecture="llama", qkv_bias=True, o_bias=False)
     with pytest.raises(ValueError, match="qkv_bias=True, o_bias=False"):
         hf_config_dict(config)
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (dict(architecture="qwen2", qk_norm=True), "has no q/k norms"),
+        (dict(architecture="qwen3", qkv_bias=False, qk_norm=False), "has q/k norms"),
+        (
+            dict(architecture="qwen3", qkv_bias=False, qk_norm=True, rope_layout="interleaved"),
+            "rope_layout='interleaved'",
+        ),
+    ],
+)
+def test_configs_whose_folder_would_load_wrong_are_refused(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        hf_config_dict(tiny_models.tiny_config(**overrides))
+
+
+@pytest.mark.parametrize("size", [0, -1, 1.5, True, None])
+def test_shard_size_must_be_a_positive_integer(np_case, tmp_path, size):
+    _, lm, _ = np_case("qwen2")
+    with pytest.raises(ValueError, match="max_shard_bytes"):
+        save_hf(lm, tmp_path / "out", max_shard_bytes=size)
+    assert list(tmp_path.iterdir()) == []
