@@ -62,7 +62,9 @@ layer's attention reads the embedding and the context side by side::
 
 and the context of the next drafted token is the pre-norm ``h_t`` (what vLLM's proposer
 feeds back), so there :meth:`EagleHead.features` returns ``h_t`` and :meth:`EagleHead.project`
-applies the final norm. Outside the draft vocabulary the engines draft with a ``-inf`` logit;
+applies the final norm. The engines' draft caches begin at ``x_1`` (paired with the
+target's state at ``x_0``; SpecForge trains the same way): an ``eagle3`` head keeps slot 0
+(``x_0`` with a zero context) invisible to every later token. Outside the draft vocabulary the engines draft with a ``-inf`` logit;
 an ``eagle3`` head does too (``outside="-inf"``), while ``project(hidden, outside="oov")``
 gives the shared learnt logit above wherever a finite ``KL(p || q)`` is wanted (training,
 certificates). A ``jaxcert`` head drafts with the shared logit (``outside="oov"``).
@@ -441,6 +443,11 @@ class EagleHead(nnx.Module):
         cos, sin = rope_angles(positions, c.head_dim, c.rope_theta)
         x = jnp.take(self.embedding[...], tokens, axis=0).astype(self.dtype)  # [B, T, E]
         if self.arch == "eagle3":
+            # The engines never write x_0 (it has no target state before it): slot 0 stays
+            # invisible to every other token, as if the cache began at x_1.
+            slots = jnp.arange(cache.max_length, dtype=jnp.int32)
+            query = cache.length[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
+            mask = mask & ((slots[None, None, :] != 0) | (query[:, :, None] == 0))
             layer = self.layers[0]
             x, k_buf, v_buf = layer(
                 x, context.astype(self.dtype), cos, sin, cache.keys[0], cache.values[0],

@@ -72,7 +72,9 @@ def _rope(x, positions, theta):
 
 
 def torch_eagle3(folder, embed, target_states, tokens, *, layer_prefix="midlayer."):
-    """Teacher-forced logits `[B, T, V]` (float32, -inf outside the draft vocabulary)."""
+    """Teacher-forced logits `[B, T - 1, V]` of tokens 1.. (float32, -inf outside the draft
+    vocabulary): token t + 1 reads fc(states at t), as vLLM's proposer and SpecForge pair
+    them; there is no entry for token 0."""
     cfg = json.loads((folder / "config.json").read_text())
     cfg = cfg.get("transformer_layer_config", cfg) | {
         k: cfg[k] for k in ("draft_vocab_size", "norm_before_residual") if k in cfg
@@ -83,8 +85,9 @@ def torch_eagle3(folder, embed, target_states, tokens, *, layer_prefix="midlayer
     h, g, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     tokens = torch.as_tensor(np.asarray(tokens), dtype=torch.long)
     b, t = tokens.shape
-    fused = torch.as_tensor(np.asarray(target_states)) @ w["fc.weight"].T  # [B, T, E]
-    hidden = torch.cat([torch.zeros_like(fused[:, :1]), fused[:, :-1]], 1)  # t reads t - 1
+    hidden = torch.as_tensor(np.asarray(target_states))[:, :-1] @ w["fc.weight"].T  # [B, T-1, E]
+    tokens = tokens[:, 1:]  # token t + 1 reads the states at t
+    b, t = tokens.shape
     embeds = torch.as_tensor(np.array(embed))[tokens]
     normed = _rms(hidden, p("hidden_norm.weight"), eps)
     residual = normed if cfg.get("norm_before_residual") else hidden
@@ -138,7 +141,7 @@ def test_teacher_forced_logits_match_a_torch_reference_of_the_layout(
     states = rng.standard_normal((2, 9, 3 * E)).astype(np.float32)
     prefix = "midlayer." if fmt == "eagle3" else "layers.0."
     want = torch_eagle3(folder, head.embedding[...], states, tokens, layer_prefix=prefix)
-    got = _jax_logits(head, states, tokens)
+    got = _jax_logits(head, states, tokens)[:, 1:]  # slot 0 (x_0) has no engine counterpart
     outside = np.setdiff1d(np.arange(V), IDS)
     assert np.all(np.isneginf(got[..., outside])) and np.all(np.isneginf(want[..., outside]))
     np.testing.assert_allclose(got[..., IDS], want[..., IDS], rtol=1e-5, atol=1e-5)
