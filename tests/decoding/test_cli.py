@@ -159,7 +159,7 @@ def test_export_head_then_decode_with_the_engines_layouts(files, monkeypatch, ca
         assert cli.main(argv) == 0, capsys.readouterr().err
         assert "aux layers [1, 2, 3]" in capsys.readouterr().out
         assert cli.main(argv) == 2  # refuses to overwrite
-        assert "exists; pass --overwrite" in capsys.readouterr().err
+        assert "exists; pass overwrite=True (--overwrite)" in capsys.readouterr().err
         out = files["root"] / f"decode-{fmt}"
         argv = ["decode", "--target", str(target_file), "--drafter", str(exported),
                 "--prompts", str(files["prompts"]), "--policy", "constant:3",
@@ -203,4 +203,4 @@ def test_export_model_writes_a_folder_that_loads_back(files, monkeypatch, capsys
         assert path == other
         np.testing.assert_array_equal(np.asarray(x.get_value()), np.asarray(y.get_value()))
     assert cli.main(["export-model", str(files["target"]), "--out", str(out)]) == 2
-    assert "exists; pass --overwrite" in capsys.readouterr().err
+    assert "exists; pass overwrite=True (--overwrite)" in capsys.readouterr().err
