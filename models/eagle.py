@@ -61,13 +61,14 @@ layer's attention reads the embedding and the context side by side::
   q(. | x_<=t) = softmax(lm_head(norm(h_t)))                       # [B, T, V'] -> d2t
 
 and the context of the next drafted token is the pre-norm ``h_t`` (what vLLM's proposer
-feeds back), so there :meth:`EagleHead.features` returns ``h_t`` and :meth:`EagleHead.project`
-applies the final norm. The engines' draft caches begin at ``x_1`` (paired with the
-target's state at ``x_0``; SpecForge trains the same way): an ``eagle3`` head keeps slot 0
-(``x_0`` with a zero context) invisible to every later token. Outside the draft vocabulary the engines draft with a ``-inf`` logit;
-an ``eagle3`` head does too (``outside="-inf"``), while ``project(hidden, outside="oov")``
-gives the shared learnt logit above wherever a finite ``KL(p || q)`` is wanted (training,
-certificates). A ``jaxcert`` head drafts with the shared logit (``outside="oov"``).
+feeds back), so there :meth:`EagleHead.features` returns ``h_t`` and
+:meth:`EagleHead.project` applies the final norm. The engines' draft caches begin at ``x_1``
+(paired with the target's state at ``x_0``; SpecForge trains the same way): an ``eagle3``
+head keeps slot 0 (``x_0`` with a zero context) invisible to every later token. Outside the
+draft vocabulary the engines draft with a ``-inf`` logit; an ``eagle3`` head does too
+(``outside="-inf"``), while ``project(hidden, outside="oov")`` gives the shared learnt logit
+above wherever a finite ``KL(p || q)`` is wanted (training, certificates). A ``jaxcert``
+head drafts with the shared logit (``outside="oov"``).
 `jaxcert.models.eagle3` reads and writes the engines' folders.
 
 Shape letters as in `jaxcert.models`; K = ``len(taps)``, V' = draft-vocabulary size.

@@ -57,6 +57,7 @@ from flax import nnx
 from jaxcert.base.folders import new_folder
 from jaxcert.models.config import ModelConfig
 from jaxcert.models.eagle import EagleHead, is_head_folder, load_head
+from jaxcert.models.export import hf_config_dict
 from jaxcert.models.transformer import Transformer
 
 __all__ = [
@@ -111,39 +112,20 @@ def _tensor_map(head_cfg: ModelConfig, bias: bool, fmt: str) -> dict[str, tuple[
 
 def _layer_config(head: EagleHead, dtype: str) -> dict[str, Any]:
     """The Llama config of the head's layer, as the engines read it."""
-    c, t = head.config, head.target_config
-    out: dict[str, Any] = {
-        "architectures": [ARCHITECTURE],
-        "model_type": "llama",
-        "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size,
-        "num_hidden_layers": 1,
-        "num_attention_heads": c.num_heads,
-        "num_key_value_heads": c.num_kv_heads,
-        "head_dim": c.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": c.rms_norm_eps,
-        "rope_theta": c.rope_theta,
-        "max_position_embeddings": t.max_position_embeddings,
-        "vocab_size": t.vocab_size,
-        "draft_vocab_size": head.draft_size,
-        "target_hidden_size": t.hidden_size,
-        "attention_bias": bool(c.qkv_bias),
-        "mlp_bias": False,
-        "norm_before_residual": head.norm_before_residual,
-        "tie_word_embeddings": False,
+    t = head.target_config
+    out = hf_config_dict(head.config, dtype)  # a one-layer Llama of the target's sizes
+    out.update(
+        architectures=[ARCHITECTURE],
+        tie_word_embeddings=False,
+        draft_vocab_size=head.draft_size,
+        target_hidden_size=t.hidden_size,
+        mlp_bias=False,
+        norm_before_residual=head.norm_before_residual,
         # vLLM and speculators count an aux layer by the layer it enters; SpecForge and
         # SGLang (``eagle_config``) by the layer it leaves: both, each in its own count
-        "eagle_aux_hidden_state_layer_ids": [i + 1 for i in head.taps],
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(head.taps)},
-        "torch_dtype": dtype,
-    }
-    if t.bos_token_id is not None:
-        out["bos_token_id"] = t.bos_token_id
-    if t.eos_token_ids:
-        out["eos_token_id"] = list(t.eos_token_ids)
-    if t.pad_token_id is not None:
-        out["pad_token_id"] = t.pad_token_id
+        eagle_aux_hidden_state_layer_ids=[i + 1 for i in head.taps],
+        eagle_config={"eagle_aux_hidden_state_layer_ids": list(head.taps)},
+    )
     return out
 
 
