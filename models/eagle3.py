@@ -293,8 +293,11 @@ def head_target_config(folder: str | os.PathLike, target: ModelConfig) -> ModelC
     if fmt is None:
         raise ValueError(f"{folder}: no config.json of an EAGLE-3 or speculators head.")
     config = json.loads((pathlib.Path(folder) / "config.json").read_text())
-    layer = config.get("transformer_layer_config") or {} if fmt == "speculators" else config
-    vocab = _fields(layer, f"{pathlib.Path(folder) / 'config.json'}")("vocab_size")
+    where = f"{pathlib.Path(folder) / 'config.json'}"
+    layer = config.get("transformer_layer_config") if fmt == "speculators" else config
+    if not isinstance(layer, dict):
+        raise ValueError(f"{where}: transformer_layer_config must be a JSON object.")
+    vocab = _fields(layer, where)("vocab_size")
     return dataclasses.replace(target, vocab_size=vocab)
 
 
