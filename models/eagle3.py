@@ -46,7 +46,6 @@ import json
 import math
 import os
 import pathlib
-import struct
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -63,6 +62,7 @@ from jaxcert.models.transformer import Transformer
 __all__ = [
     "FORMATS",
     "engine_format",
+    "engine_taps",
     "export_head",
     "head_target_config",
     "import_head",
@@ -77,7 +77,20 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 _OOV_KEY = "jaxcert.oov_logit"  # safetensors metadata: the shared logit's float32 bits
 
 
-def _layer_tensors(head_cfg: ModelConfig, bias: bool) -> dict[str, tuple[tuple, bool]]:
+def engine_taps(num_layers: int) -> tuple[int, ...]:
+    """The states the engines' EAGLE-3 heads read by default: the streams entering target
+    layers ``2``, ``L // 2`` and ``L - 3`` (vLLM, speculators; SpecForge's leaving
+    ``1``, ``L // 2 - 1``, ``L - 4``), jaxcert's taps ``(1, L // 2 - 1, L - 4)``.
+
+    Raises:
+      ValueError: fewer than 6 target blocks (the three would not be distinct).
+    """
+    if num_layers < 6:
+        raise ValueError(f"the engines' EAGLE-3 taps need >= 6 target blocks, got {num_layers}.")
+    return (1, num_layers // 2 - 1, num_layers - 4)
+
+
+def _layer_tensors(bias: bool) -> dict[str, tuple[tuple, bool]]:
     """Engine name (after the layer prefix) -> (path in `Eagle3Layer`, stored transposed)."""
     out: dict[str, tuple[tuple, bool]] = {
         "input_layernorm.weight": (("input_norm", "scale"), False),
@@ -97,12 +110,11 @@ def _layer_tensors(head_cfg: ModelConfig, bias: bool) -> dict[str, tuple[tuple, 
     return out
 
 
-def _tensor_map(head_cfg: ModelConfig, bias: bool, fmt: str) -> dict[str, tuple[tuple, bool]]:
+def _tensor_map(bias: bool, fmt: str) -> dict[str, tuple[tuple, bool]]:
     """Every weight tensor of a head in layout `fmt`: name -> (state path, transposed)."""
     prefix = "midlayer." if fmt == "eagle3" else "layers.0."
     out = {
-        prefix + name: (("layers", 0) + path, t)
-        for name, (path, t) in _layer_tensors(head_cfg, bias).items()
+        prefix + name: (("layers", 0) + path, t) for name, (path, t) in _layer_tensors(bias).items()
     }
     out["fc.weight"] = (("fuse_fc",), True)
     out["norm.weight"] = (("norm", "scale"), False)
@@ -134,9 +146,14 @@ def _vocab_tensors(head: EagleHead) -> dict[str, np.ndarray]:
     v = head.target_config.vocab_size
     ids = np.arange(v) if head.draft_vocab is None else np.asarray(head.draft_vocab[...])
     ids = ids.astype(np.int64)
-    t2d = np.zeros(v, bool)
+    return {"d2t": ids - np.arange(ids.size, dtype=np.int64), "t2d": _t2d(ids, v)}
+
+
+def _t2d(ids: np.ndarray, vocab: int) -> np.ndarray:
+    """``t2d``: bool `[V]`, which target ids are in the draft vocabulary `ids`."""
+    t2d = np.zeros(vocab, bool)
     t2d[ids] = True
-    return {"d2t": ids - np.arange(ids.size, dtype=np.int64), "t2d": t2d}
+    return t2d
 
 
 def export_head(
@@ -179,7 +196,7 @@ def export_head(
         raise ValueError(f"dtype must be one of {tuple(_DTYPES)}, got {dtype!r}.")
     state = nnx.to_pure_dict(nnx.state(head))
     tensors: dict[str, np.ndarray] = {}
-    for name, (path, transposed) in _tensor_map(head.config, head.config.qkv_bias, format).items():
+    for name, (path, transposed) in _tensor_map(head.config.qkv_bias, format).items():
         value = jnp.asarray(_at(state, path)).astype(_DTYPES[dtype])
         tensors[name] = np.ascontiguousarray(np.asarray(value.T if transposed else value))
     if format == "eagle3" or head.draft_vocab is not None:  # speculators: only if reduced
@@ -189,8 +206,8 @@ def export_head(
         tensors["embed_tokens.weight"] = np.asarray(embedding)
     metadata = {"format": "pt"}
     if head.oov_logit is not None:
-        bits = struct.unpack("<I", np.float32(head.oov_logit[...]).tobytes())[0]
-        metadata[_OOV_KEY] = f"{bits:08x}"
+        bits = np.asarray([head.oov_logit[...]], np.float32).view(np.uint32)[0]
+        metadata[_OOV_KEY] = f"{int(bits):08x}"
     config = _layer_config(head, dtype)
     if format == "speculators":
         config = _speculators_config(
@@ -289,16 +306,40 @@ def head_target_config(folder: str | os.PathLike, target: ModelConfig) -> ModelC
     """
     import dataclasses
 
+    _, _, layer, where = _read_config(folder)
+    return dataclasses.replace(target, vocab_size=_fields(layer, where)("vocab_size"))
+
+
+def _read_config(folder: str | os.PathLike) -> tuple[str, dict[str, Any], dict[str, Any], str]:
+    """``(format, config, layer, where)`` of an engine folder: its ``config.json``, the
+    layer's Llama config in it (a speculators config's ``transformer_layer_config`` with
+    the top-level head fields merged in) and the file's name for messages.
+
+    Raises:
+      ValueError: no ``config.json`` of an engine head, or a layer config that is not an
+        object.
+    """
+    path = pathlib.Path(folder) / "config.json"
     fmt = engine_format(folder)
     if fmt is None:
         raise ValueError(f"{folder}: no config.json of an EAGLE-3 or speculators head.")
-    config = json.loads((pathlib.Path(folder) / "config.json").read_text())
-    where = f"{pathlib.Path(folder) / 'config.json'}"
-    layer = config.get("transformer_layer_config") if fmt == "speculators" else config
+    config = json.loads(path.read_text())
+    where = str(path)
+    if fmt != "speculators":
+        return fmt, config, config, where
+    layer = config.get("transformer_layer_config")
     if not isinstance(layer, dict):
         raise ValueError(f"{where}: transformer_layer_config must be a JSON object.")
-    vocab = _fields(layer, where)("vocab_size")
-    return dataclasses.replace(target, vocab_size=vocab)
+    layer = dict(layer)
+    for key in (
+        "draft_vocab_size",
+        "norm_before_residual",
+        "target_hidden_size",
+        "eagle_aux_hidden_state_layer_ids",
+    ):
+        if key in config:
+            layer.setdefault(key, config[key])
+    return fmt, config, layer, where
 
 
 def read_head(folder: str | os.PathLike, target: Transformer | None = None) -> EagleHead:
@@ -342,24 +383,7 @@ def import_head(folder: str | os.PathLike, target: Transformer) -> EagleHead:
     import safetensors
 
     folder = pathlib.Path(folder)
-    fmt = engine_format(folder)
-    if fmt is None:
-        raise ValueError(f"{folder}: no config.json of an EAGLE-3 or speculators head.")
-    config = json.loads((folder / "config.json").read_text())
-    where = f"{folder / 'config.json'}"
-    layer: dict[str, Any] = config
-    if fmt == "speculators":
-        layer = config.get("transformer_layer_config")  # type: ignore[assignment]
-        if not isinstance(layer, dict):
-            raise ValueError(f"{where}: transformer_layer_config must be a JSON object.")
-        layer = dict(layer)
-        for key in ("draft_vocab_size", "norm_before_residual", "target_hidden_size"):
-            if key in config:
-                layer.setdefault(key, config[key])
-        if "eagle_aux_hidden_state_layer_ids" in config:
-            layer.setdefault(
-                "eagle_aux_hidden_state_layer_ids", config["eagle_aux_hidden_state_layer_ids"]
-            )
+    fmt, config, layer, where = _read_config(folder)
     t = target.config
     field = _fields(layer, where)
     for name, want in (
@@ -394,9 +418,8 @@ def import_head(folder: str | os.PathLike, target: Transformer) -> EagleHead:
     try:
         with safetensors.safe_open(folder / _WEIGHTS, framework="numpy") as f:
             names = set(f.keys())
-            get: Callable[[str], np.ndarray] = f.get_tensor
             meta = f.metadata() or {}
-            stored = {name: get(name) for name in names}
+            stored = {name: f.get_tensor(name) for name in names}
     except Exception as e:  # safetensors' own error types: missing, corrupt or partial
         raise ValueError(f"{folder / _WEIGHTS}: cannot be read ({e}).") from e
 
@@ -404,7 +427,7 @@ def import_head(folder: str | os.PathLike, target: Transformer) -> EagleHead:
     draft_size = field("draft_vocab_size", default=t.vocab_size)
     ids = _draft_ids(stored, draft_size, t.vocab_size, folder / _WEIGHTS)
     bias = _flag(layer, "attention_bias", where)
-    expected = _tensor_map(t_cfg, bias, fmt)
+    expected = _tensor_map(bias, fmt)
     optional = {"embed_tokens.weight", "d2t", "t2d"}
     missing = sorted(set(expected) - names)
     extra = sorted(names - set(expected) - optional)
@@ -529,7 +552,7 @@ def _aux_layers(layer: Mapping[str, Any], n: int, where: str) -> tuple[list[int]
     elif inner is not None:
         aux, shift, field = inner, 0, f"eagle_config.{name}"
     else:
-        return [2 - 1, n // 2 - 1, n - 3 - 1], 0  # the engines' default (2, L / 2, L - 3)
+        return list(engine_taps(n)), 0  # the engines' default
     if (
         not isinstance(aux, list)
         or len(aux) != 3
@@ -592,8 +615,7 @@ def _draft_ids(
     if t2d is not None:
         if t2d.dtype != np.bool_ or t2d.shape != (vocab,):
             raise ValueError(f"{where}: t2d must be bool [{vocab}], got {t2d.dtype} {t2d.shape}.")
-        want = np.zeros(vocab, bool)
-        want[ids] = True
+        want = _t2d(ids, vocab)
         if not np.array_equal(t2d, want):
             diff = np.flatnonzero(t2d != want)
             raise ValueError(f"{where}: t2d disagrees with d2t at target ids {diff[:5]}.")

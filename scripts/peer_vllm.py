@@ -149,7 +149,6 @@ def _tokenizer(target: str):
 
 
 def step_jaxcert(args) -> None:
-    import jax
     import numpy as np
 
     from jaxcert import decoding, models
@@ -212,7 +211,6 @@ def step_jaxcert(args) -> None:
         _save(out_path, results)
         total = sum(len(r["tokens"]) for r in rows) / sum(r["seconds"] for r in rows)
         print(f"jaxcert {name}: {total:.2f} tokens/s", flush=True)
-    del jax
 
 
 # 3. vLLM ------------------------------------------------------------------------------

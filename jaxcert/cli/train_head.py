@@ -154,12 +154,13 @@ def _settings(args: argparse.Namespace, num_layers: int, seeds: tuple[int, ...])
 
 def _taps(args: argparse.Namespace, num_layers: int) -> tuple[int, ...]:
     """The target blocks the head fuses, as ``--head`` and ``--arch`` say."""
+    from jaxcert.models.eagle3 import engine_taps
     from jaxcert.training import head_recipe
 
     if args.arch == "eagle3":
         if args.head != "eagle3" or args.head_layers != 1:
             raise ValueError("--arch eagle3: the published head is --head eagle3, --head-layers 1")
-        return head_recipe.engine_taps(num_layers)
+        return engine_taps(num_layers)
     return head_recipe.default_taps(num_layers) if args.head == "eagle3" else ()
 
 

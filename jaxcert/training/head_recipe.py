@@ -42,7 +42,6 @@ if TYPE_CHECKING:
 __all__ = [
     "HeadSettings",
     "default_taps",
-    "engine_taps",
     "draft_vocabulary",
     "evaluate_head",
     "evaluate_heads",
@@ -52,20 +51,6 @@ __all__ = [
     "split_sequences",
     "train_one",
 ]
-
-
-def engine_taps(num_layers: int) -> tuple[int, ...]:
-    """The states the engines' EAGLE-3 heads read by default: the streams entering target
-    layers ``2``, ``L // 2`` and ``L - 3`` (vLLM, speculators; SpecForge's leaving
-    ``1``, ``L // 2 - 1``, ``L - 4``), jaxcert's taps ``(1, L // 2 - 1, L - 4)``
-    (`jaxcert.models.eagle3`).
-
-    Raises:
-      ValueError: fewer than 6 target blocks (the three would not be distinct).
-    """
-    if num_layers < 6:
-        raise ValueError(f"the engines' EAGLE-3 taps need >= 6 target blocks, got {num_layers}.")
-    return (1, num_layers // 2 - 1, num_layers - 4)
 
 
 def default_taps(num_layers: int) -> tuple[int, ...]:
@@ -119,8 +104,10 @@ class HeadSettings:
     def __post_init__(self) -> None:
         if self.data not in ("replies", "greedy"):
             raise ValueError(f"data must be 'replies' or 'greedy', got {self.data!r}")
-        if self.arch not in ("jaxcert", "eagle3"):
-            raise ValueError(f"arch must be 'jaxcert' or 'eagle3', got {self.arch!r}")
+        from jaxcert.models.eagle import ARCHS
+
+        if self.arch not in ARCHS:
+            raise ValueError(f"arch must be one of {ARCHS}, got {self.arch!r}")
         check_int("ttt_depth", self.ttt_depth)
 
 
