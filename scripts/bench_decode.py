@@ -73,6 +73,7 @@ import numpy as np
 from jaxcert import decoding, models
 from jaxcert.base import prompts
 from jaxcert.decoding import run_report
+from jaxcert.decoding.config import bucket
 
 DEFAULT_POLICIES = "constant:4,heuristic,confidence:0.4,svip:0.3,cert"
 DEFAULT_SHAPES = "chain,tree:2x4,dyntree:4x6x24"
@@ -223,8 +224,8 @@ def _passes_only(target, drafters, shape, fixed, configs, unit):
     drafter = _drafter(drafters, shape)
     if isinstance(drafter, decoding.NgramDrafter) and drafter.config is None:
         drafter = drafter.for_vocabulary(target.config.vocab_size)  # as speculative_decode
-    config = decoding.resolved_config(configs[shape], target, drafter, fixed.policy)
-    costs = decoding.calibrate(target, drafter, rows=len(unit), config=config.shape_only())
+    calibrated = decoding.GoodputController.calibrate(target, drafter, config=configs[shape])
+    costs = calibrated.costs(len(unit))
     return dataclasses.replace(
         costs, round_overhead_s=0.0, step_overhead_s=0.0, round_scale=1.0, drafting={}
     )
@@ -298,7 +299,8 @@ def _decode_all(
     are keyed ``(batch, temperature, shape, policy spec)``. The random key and the order of
     the configurations of a unit depend only on the seed, the batch size, the temperature
     and the unit's index."""
-    width = decoding.bucket(max(len(e) for e in encoded))
+    width = bucket(max(len(e) for e in encoded))
+    controllers: dict = {}  # goodput's, one per configuration, held across the units
     tree_pols = policies
     if args.tree_policies:
         tree_pols = [decoding.parse_policy(p) for p in args.tree_policies.split(",")]
@@ -338,8 +340,18 @@ def _decode_all(
             if base.tokens:
                 log(f"[bench] batch {batch} T={temperature}: {len(base.tokens)} units kept")
 
-            def decode(shape, policy, unit, key, configs=configs):
+            def decode(shape, policy, unit, key, configs=configs, temperature=temperature):
                 fixed = isinstance(policy, _FixedCosts)
+                costs = None
+                if fixed:
+                    costs = _passes_only(target, drafters, shape, policy, configs, unit)
+                elif isinstance(policy, decoding.Goodput):
+                    held = (shape, temperature)
+                    if held not in controllers:
+                        controllers[held] = decoding.GoodputController.calibrate(
+                            target, _drafter(drafters, shape), config=configs[shape]
+                        )
+                    costs = controllers[held]
                 return decoding.speculative_decode(
                     target,
                     _drafter(drafters, shape),
@@ -348,9 +360,7 @@ def _decode_all(
                     config=configs[shape],
                     key=key,
                     prompt_width=width,
-                    costs=_passes_only(target, drafters, shape, policy, configs, unit)
-                    if fixed
-                    else None,
+                    costs=costs,
                 )
 
             if args.warmup and len(base.tokens) < len(units):
@@ -391,6 +401,8 @@ def _decode_all(
                     f"{best[1].num_tokens / best[1].decode_s:.2f} tok/s"
                 )
                 save(results)
+                for controller in controllers.values():  # the next run starts from them
+                    controller.save()
     return results, width
 
 

@@ -41,6 +41,7 @@ from jaxcert.cli._common import (
     verify_arg,
 )
 from jaxcert.cli.argtypes import positive
+from jaxcert.decoding.config import bucket
 
 PROGRAMS = ("steps", "rounds")
 
@@ -137,7 +138,7 @@ def main(argv=None) -> int:
     except ValueError as err:
         raise SystemExit(str(err)) from None
     encoded = prompts.encode_prompts(target.tokenizer, [prompt_set[i] for i in args.indices])
-    width = decoding.bucket(max(len(e) for e in encoded))
+    width = bucket(max(len(e) for e in encoded))
     eos = tuple(target.eos_ids) if args.keep_eos else ()
     config = decoding.DecodeConfig(
         verification=args.verify,

@@ -81,9 +81,9 @@ def _free_compiled_programs():
 
     import jax
 
-    from jaxcert import decoding
+    from jaxcert.base.programs import default_programs
 
-    decoding.default_programs().clear()
+    default_programs().clear()
     jax.clear_caches()
     gc.collect()
 

@@ -17,6 +17,7 @@ from flax import nnx
 import jaxcert
 from jaxcert import cli, models
 from jaxcert.base import prompts
+from jaxcert.base.programs import default_programs
 from jaxcert.core import rules as R
 from jaxcert.pipeline import engine as certify
 from jaxcert.pipeline import report as certify_report
@@ -97,10 +98,9 @@ def test_a_run_compiles_through_its_programs_and_counts_the_time(lm):
     assert certify.merge_parts(list(second)).equals(certify.merge_parts(tables))
     assert second.info["compile_s"] == 0 and programs.compiled == len(widths) + 2
     # By default a run compiles in its own Programs: the decoders' options do not apply.
-    from jaxcert import decoding
 
     own = certify.Certifier(lm, prompt_set, RULES[:1], options).programs
-    assert own.compiled == 0 and own is not decoding.default_programs()
+    assert own.compiled == 0 and own is not default_programs()
 
 
 def test_stop_at_eos_and_min_prompt_tokens(lm):

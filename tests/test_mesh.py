@@ -19,6 +19,7 @@ from multidevice import run
 
 from jaxcert import cli, models
 from jaxcert.base import prompts
+from jaxcert.base.programs import default_programs
 from jaxcert.core import rules as R
 from jaxcert.models import mesh as mesh_lib
 from jaxcert.pipeline import engine as certify
@@ -178,15 +179,12 @@ def test_decode_on_4_devices_matches_one_device(tmp_path, monkeypatch):
     got = run(f"""
         from jaxcert import cli
         from jaxcert import decoding
-        decoding.default_programs().compiler_options["xla_backend_optimization_level"] = 0
+        default_programs().compiler_options["xla_backend_optimization_level"] = 0
         print(json.dumps({{"rc": cli.main({args("mesh", "--mesh", "data=2,model=2")!r})}}))
         """, devices=4)  # fmt: skip
     assert got == {"rc": 0}
-    from jaxcert import decoding
 
-    monkeypatch.setitem(
-        decoding.default_programs().compiler_options, "xla_backend_optimization_level", 0
-    )
+    monkeypatch.setitem(default_programs().compiler_options, "xla_backend_optimization_level", 0)
     assert cli.main(args("one")) == 0  # one device: this process
     read = lambda out: [json.loads(x) for x in (tmp_path / out / "outputs.jsonl").open()]  # noqa: E731
     assert read("mesh") == read("one")

@@ -127,8 +127,9 @@ def add_parser(sub) -> None:
         type=pathlib.Path,
         default=None,
         help="goodput's pass costs from a file instead of measuring them: JSON mapping "
-        "batch rows to measured costs, as scripts/bench_pass_width.py --json writes "
-        "(default: measured on this machine once per batch size, cached)",
+        "batch rows to measured costs, as scripts/bench_pass_width.py --json writes; "
+        "corrected as the decode runs, the file is not changed (default: measured on this "
+        "machine once per batch size, cached, and what the decodes learn is kept there)",
     )
     p.add_argument(
         "--no-certificates",
@@ -207,10 +208,13 @@ class DecodeProgress:
 def run(args) -> int:
     import jaxcert
     from jaxcert import decoding
+    from jaxcert.base.programs import default_programs
     from jaxcert.decoding import run_report
 
     policy, config = _config(args)  # validates temperature against the rule before loading
-    given_costs = _read_costs(args.costs) if args.costs is not None else None
+    given_costs = None
+    if args.costs is not None and isinstance(policy, decoding.Goodput):
+        given_costs = decoding.GoodputController.load(args.costs)  # checked before loading
     out = args.out
     replace = run_report.check_output(out, overwrite=args.overwrite)  # before any loading
     device_mesh = mesh_lib.make_mesh(args.mesh)
@@ -222,11 +226,11 @@ def run(args) -> int:
     prompt_set = load_prompt_set(args.prompts, turn=args.turn, max_prompts=args.max_prompts)
     if given_costs is not None and isinstance(policy, decoding.Goodput):  # before loading
         n, size = len(prompt_set), args.batch_size
-        missing = sorted({min(size, n - i) for i in range(0, n, size)} - set(given_costs))
+        missing = sorted({min(size, n - i) for i in range(0, n, size)} - set(given_costs.table))
         if missing:
             raise ValueError(
                 f"--costs {args.costs} has no costs for batches of {missing} rows "
-                f"(it has {sorted(given_costs)})"
+                f"(it has {sorted(given_costs.table)})"
             )
     target, drafter, load_s = _load(args, mesh)
     config = dataclasses.replace(config, eos_ids=target.eos_ids)
@@ -240,8 +244,11 @@ def run(args) -> int:
         f"{mesh_lib.describe(device_mesh)}",
         file=sys.stderr,
     )
-    compiled_before = decoding.default_programs().compiled
-    runs = _decode(args, target, drafter, encoded, policy, config, given_costs)
+    compiled_before = default_programs().compiled
+    goodput = _goodput(policy, given_costs, target, drafter, config)
+    runs = _decode(args, target, drafter, encoded, policy, config, goodput)
+    if goodput is not None and given_costs is None:
+        goodput.save()  # the next run on this machine starts from what these decodes learnt
     summary = run_report.summarize_runs(runs)
     if replace:  # the previous run's files go only now that this one is ready
         run_report.remove_outputs(out)
@@ -250,7 +257,7 @@ def run(args) -> int:
     run_report.write_outputs(out / "outputs.jsonl", runs, ids, target.tokenizer.decode)
     meta = _meta(args, target, drafter, policy, config, device_mesh, load_s) | {
         "compile_s": round(sum(r.compile_s for rs in runs.values() for r in rs), 1),
-        "programs_compiled": decoding.default_programs().compiled - compiled_before,
+        "programs_compiled": default_programs().compiled - compiled_before,
         "compilation_cache": str(cache_dir) if cache_dir else None,
         "total_s": round(time.perf_counter() - started, 1),
     }
@@ -308,30 +315,31 @@ def _encode(args, target, prompt_set) -> list:
     return encoded
 
 
-def _read_costs(path: pathlib.Path) -> dict:
-    """``--costs``: ``{rows: PassCosts}`` from a JSON file (checked before loading).
-
-    Raises:
-      ValueError: an unreadable file or malformed costs, naming ``--costs``.
-    """
+def _goodput(policy, given, target, drafter, config):
+    """``goodput``'s controller: the ``--costs`` table, else this machine's calibration
+    (measured once per batch size, cached); ``None`` for the other policies."""
     from jaxcert import decoding
 
-    try:
-        data = json.loads(path.read_text())
-        return {int(rows): decoding.PassCosts.from_json(body) for rows, body in data.items()}
-    except (OSError, ValueError, AttributeError, json.JSONDecodeError) as err:
-        raise ValueError(f"--costs {path}: {err}") from None
+    if not isinstance(policy, decoding.Goodput):
+        return None
+    if given is not None:
+        return given
+    return decoding.GoodputController.calibrate(
+        target, drafter, config=config,
+        log=lambda line: print(f"[jaxcert] {line}", file=sys.stderr),
+    )  # fmt: skip
 
 
-def _decode(args, target, drafter, encoded, policy, config, given_costs=None) -> dict:
+def _decode(args, target, drafter, encoded, policy, config, goodput=None) -> dict:
     """Each batch decoded by the target alone (unless ``--no-baseline``) and speculatively:
     ``{"target": [...], "speculative": [...]}``, one output per batch, with a progress bar."""
     import jax
 
     from jaxcert import decoding
+    from jaxcert.decoding.config import bucket
 
     key = jax.random.key(args.seed)
-    width = decoding.bucket(max(len(e) for e in encoded))  # one program for every batch
+    width = bucket(max(len(e) for e in encoded))  # one program for every batch
     progress = DecodeProgress(len(encoded) * args.max_new_tokens * (1 if args.no_baseline else 2))
     runs: dict[str, list] = {"target": [], "speculative": []}
     common: dict[str, Any] = {"prompt_width": width, "on_compile": progress.compiling}
@@ -352,18 +360,9 @@ def _decode(args, target, drafter, encoded, policy, config, given_costs=None) ->
             ))  # fmt: skip
             done += len(batch) * args.max_new_tokens  # rows that ended early count in full
             progress.advance(done)
-        costs = None
-        if isinstance(policy, decoding.Goodput) and given_costs is not None:
-            costs = given_costs[len(batch)]  # checked in run()
-        elif isinstance(policy, decoding.Goodput):  # measured once per batch size, cached
-            costs = decoding.calibrate(
-                target, drafter, rows=len(batch),
-                config=decoding.resolved_config(config, target, drafter, policy),
-                log=lambda line: print(f"[jaxcert] {line}", file=sys.stderr),
-            )  # fmt: skip
         runs["speculative"].append(decoding.speculative_decode(
             target, drafter, batch, policy=policy, config=config, key=k2,
-            progress=advance_from(done), costs=costs, **common,
+            progress=advance_from(done), costs=goodput, **common,
         ))  # fmt: skip
         progress.advance(done + len(batch) * args.max_new_tokens)
     progress.close()

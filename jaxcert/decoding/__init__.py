@@ -26,18 +26,13 @@ Example::
                                     policy=decoding.parse_policy("svip:0.3"), config=config)
 """
 
-from jaxcert.decoding.api import (
-    DecodeCall,
-    DecodeOutput,
-    check_pair,
-    resolved_config,
-    speculative_decode,
-    split_model,
-    target_decode,
-)
-from jaxcert.decoding.config import DecodeConfig, bucket
-from jaxcert.decoding.costs import CostTracker, PassCosts, calibrate
-from jaxcert.decoding.ngram import NgramDrafter, TokenCache, parse_ngram
+from jaxcert.base.programs import Programs
+from jaxcert.decoding.api import DecodeCall, DecodeOutput, speculative_decode, target_decode
+from jaxcert.decoding.config import DecodeConfig
+from jaxcert.decoding.costs import PassCosts
+from jaxcert.decoding.goodput import GoodputController
+from jaxcert.decoding.ngram import NgramDrafter, parse_ngram
+from jaxcert.decoding.pairing import check_pair
 from jaxcert.decoding.policies import (
     SVIP,
     Certified,
@@ -46,62 +41,35 @@ from jaxcert.decoding.policies import (
     Goodput,
     Heuristic,
     Policy,
-    PolicyParams,
     parse_policy,
 )
-from jaxcert.decoding.programs import Programs, default_programs
 from jaxcert.decoding.protocols import Cache, DecoderModel
-from jaxcert.decoding.state import (
-    DecodeState,
-    DraftTree,
-    NodeStats,
-    PolicyState,
-    RoundStats,
-    Settings,
-)
-from jaxcert.decoding.tree import Chain, DynamicTree, StaticTree, parse_tree
-from jaxcert.decoding.verify import Verification, in_accepted_set, parse_verify
+from jaxcert.decoding.state import NodeStats, RoundStats
+from jaxcert.decoding.verify import parse_verify
 
 __all__ = [
+    "SVIP",
     "Cache",
-    "DecoderModel",
     "Certified",
-    "Chain",
     "Confidence",
     "Constant",
-    "DecodeConfig",
-    "Programs",
-    "default_programs",
     "DecodeCall",
+    "DecodeConfig",
     "DecodeOutput",
-    "DecodeState",
-    "DraftTree",
-    "DynamicTree",
+    "DecoderModel",
     "Goodput",
+    "GoodputController",
     "Heuristic",
     "NgramDrafter",
-    "PassCosts",
-    "CostTracker",
     "NodeStats",
+    "PassCosts",
     "Policy",
-    "PolicyParams",
-    "PolicyState",
+    "Programs",
     "RoundStats",
-    "SVIP",
-    "Settings",
-    "TokenCache",
-    "StaticTree",
-    "Verification",
-    "bucket",
-    "calibrate",
     "check_pair",
-    "in_accepted_set",
     "parse_ngram",
     "parse_policy",
-    "parse_tree",
     "parse_verify",
-    "resolved_config",
     "speculative_decode",
-    "split_model",
     "target_decode",
 ]

@@ -1,15 +1,11 @@
-"""Host-side entry points: batches of token prompts in, tokens, statistics and timings out.
+"""The decoders' entry points: batches of token prompts in, tokens, statistics and timings out.
 
 Both decoders compile ahead of time (timed as ``compile_s``, cached per configuration and
-shape), then run in calls of a few rounds (or steps) so a progress callback can follow;
-``decode_s`` is the wall time of those calls alone, ``prefill_s`` that of the prompt pass.
-
-On a mesh (a target placed with :func:`jaxcert.models.shard` or loaded with ``mesh=``, or a
-``mesh=`` argument) both models run on it: the prompts are split over the batch axis (the
-logical ``batch`` axis, ``data`` by default; the batch is padded with copies of the last prompt
-to a multiple of its size, and the copies are dropped from the output), a model not yet on the
-mesh is placed there with :func:`jaxcert.models.shard` (once per call: shard it yourself to
-avoid the transfer), and the caches and logits stay split as the models' layouts say.
+shape in a :class:`~jaxcert.base.programs.Programs`), then run in calls of a few rounds
+(or steps) so a progress callback can follow; ``decode_s`` is the wall time of those calls
+alone, ``prefill_s`` that of the prompt pass. On a mesh (a target placed with
+:func:`jaxcert.models.shard` or loaded with ``mesh=``, or a ``mesh=`` argument) both models
+run on it, the prompts split over its batch axis (:mod:`~jaxcert.decoding.pairing`).
 """
 
 from __future__ import annotations
@@ -21,32 +17,18 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from jaxcert import models
-from jaxcert.base.prompts import pad_prompts
+from jaxcert.base.programs import Programs, default_programs
 from jaxcert.base.validate import check_int
-from jaxcert.decoding import costs as costs_lib
-from jaxcert.decoding import loop
-from jaxcert.decoding import node_stats as stats_lib
+from jaxcert.decoding import host, loop
 from jaxcert.decoding import policies as policies_lib
-from jaxcert.decoding.config import DecodeConfig, Sizes, bucket, check_sampling
+from jaxcert.decoding.config import DecodeConfig, check_sampling
 from jaxcert.decoding.costs import PassCosts
-from jaxcert.decoding.ngram import NgramDrafter
-from jaxcert.decoding.programs import Programs, default_programs
-from jaxcert.decoding.protocols import DecoderModel, reads_target
-from jaxcert.decoding.state import RoundStats, Settings
-from jaxcert.models import sharding as sharding_lib
+from jaxcert.decoding.goodput import GoodputController
+from jaxcert.decoding.pairing import on_mesh, pair, replicated, split_model, vocab_size
+from jaxcert.decoding.state import RoundStats
 
-__all__ = [
-    "DecodeCall",
-    "DecodeOutput",
-    "check_pair",
-    "resolved_config",
-    "speculative_decode",
-    "split_model",
-    "target_decode",
-]
+__all__ = ["DecodeCall", "DecodeOutput", "speculative_decode", "target_decode"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,279 +79,6 @@ class DecodeOutput:
         return int(sum(len(t) for t in self.tokens))
 
 
-def split_model(model) -> tuple[nnx.GraphDef, nnx.State]:
-    """``(graphdef, params)`` of a ``models.LoadedModel``, an ``nnx.Module`` or such a pair."""
-    if isinstance(model, tuple) and len(model) == 2:
-        return model
-    module = getattr(model, "model", model)
-    if not isinstance(module, nnx.Module):
-        raise ValueError(f"expected a models.LoadedModel or an nnx.Module, got {type(model)}")
-    if not isinstance(module, DecoderModel):
-        surface = ("config", "init_cache", "features", "project", "__call__")
-        missing = [a for a in surface if not hasattr(module, a)]
-        raise ValueError(
-            f"{type(module).__name__} lacks {', '.join(missing)}: a target or drafter needs the "
-            "jaxcert.decoding.protocols.DecoderModel surface"
-        )
-    return nnx.split(module)
-
-
-def _padded(prompts, width, minimum, vocab_size, placement=None):
-    """``(tokens [B', W], lengths [B'])`` on the device(s); ``B' = B`` unless on a mesh.
-
-    With ``placement = (mesh, rules)`` the batch is padded with copies of the last prompt to
-    a multiple of the size of the mesh axes of ``batch``, then split over them.
-    """
-    if placement is not None and len(prompts) and not isinstance(prompts[0], (int, np.integer)):
-        mesh, rules = placement
-        n = sharding_lib.axis_size("batch", mesh, rules)
-        prompts = list(prompts) + [prompts[-1]] * (-len(prompts) % n)
-    tokens, lengths = pad_prompts(prompts, width=width, minimum=minimum, vocab_size=vocab_size)
-    if placement is None:
-        return jnp.asarray(tokens), jnp.asarray(lengths)
-    layout = sharding_lib.Layout.create(*placement)
-    tokens = jax.device_put(tokens, layout.sharding(("batch", None), tokens.shape))
-    return tokens, jax.device_put(lengths, layout.sharding(("batch",), lengths.shape))
-
-
-def _model_mesh(model):
-    """The mesh a model (``LoadedModel``, module or ``(graphdef, params)``) lives on, or None."""
-    if isinstance(model, tuple) and len(model) == 2:
-        return sharding_lib.mesh_of(model[1])
-    layout = sharding_lib.layout_of(model)
-    if layout is not None:
-        return layout.mesh
-    module = getattr(model, "model", model)
-    return sharding_lib.mesh_of(nnx.state(module)) if isinstance(module, nnx.Module) else None
-
-
-def _on_mesh(models_, mesh):
-    """Puts every model on one mesh: ``(models, (mesh, rules) or None)``.
-
-    The mesh is ``mesh`` if given, else the one the models live on (``None``: nothing to do,
-    the single-device path). A model elsewhere is placed with ``models.shard`` (the rules of
-    the first sharded model, else the default rules).
-
-    Raises:
-      ValueError: the models live on different meshes (and no ``mesh`` was given), or an
-        ``Explicit`` mesh.
-    """
-    found = [_model_mesh(m) for m in models_]
-    if mesh is None:
-        meshes = {m for m in found if m is not None}
-        if len(meshes) > 1:
-            raise ValueError(
-                "the target and the drafter live on different meshes; place them on one "
-                "(jaxcert.models.shard) or pass mesh="
-            )
-        if not meshes:
-            return models_, None
-        mesh = meshes.pop()
-    sharding_lib.check_mesh(mesh)
-    layouts = [sharding_lib.layout_of(m) for m in models_ if not isinstance(m, tuple)]
-    rules = next((x.rules for x in layouts if x is not None), sharding_lib.LOGICAL_RULES)
-    placed = []
-    for model, where in zip(models_, found, strict=True):
-        if where != mesh:
-            if isinstance(model, tuple) and len(model) == 2:
-                model = nnx.split(models.shard(nnx.merge(*model), mesh, rules))
-            else:
-                model = models.shard(getattr(model, "model", model), mesh, rules)
-        placed.append(model)
-    return placed, (mesh, rules)
-
-
-def _replicated(tree, placement):
-    """``tree`` replicated on the mesh (``tree`` itself without one)."""
-    if placement is None:
-        return tree
-    return jax.device_put(
-        tree, jax.sharding.NamedSharding(placement[0], jax.sharding.PartitionSpec())
-    )
-
-
-def _vocab_size(model) -> int | None:
-    config = models.config_of(model)  # None for a (graphdef, params) pair: ids >= 0 only
-    return None if config is None else int(config.vocab_size)
-
-
-check_pair = models.check_same_vocabulary
-"""Raises ``ValueError`` unless target and drafter share one vocabulary (and tokenizer)."""
-
-
-def _with_head(config: DecodeConfig, target, drafter) -> DecodeConfig:
-    """``config`` with ``head_taps`` set when ``drafter`` is a draft head.
-
-    Raises:
-      ValueError: the head fuses a block the target does not have, or the target cannot
-        hand over its intermediate states (no ``tapped_features``).
-    """
-    head = getattr(drafter, "model", drafter)
-    if isinstance(head, tuple) or not reads_target(head):
-        return dataclasses.replace(config, head_taps=None)
-    taps = tuple(int(i) for i in head.taps)
-    t_model = getattr(target, "model", target)
-    if taps and not hasattr(t_model, "tapped_features"):
-        raise ValueError(
-            f"the draft head fuses target blocks {taps}, but the target "
-            f"({type(t_model).__name__}) has no tapped_features to hand them over"
-        )
-    layers = getattr(getattr(t_model, "config", None), "num_layers", None)
-    if layers is not None and any(not 0 <= i < layers for i in taps):
-        raise ValueError(
-            f"the draft head fuses target blocks {taps}, but the target has {layers} blocks"
-        )
-    return dataclasses.replace(config, head_taps=taps)
-
-
-def resolved_config(
-    config: DecodeConfig, target, drafter, policy: policies_lib.Policy
-) -> DecodeConfig:
-    """``config`` as :func:`speculative_decode` runs it with this pair and policy: the draft
-    head's taps, whether the drafter proposes one-hot tokens, and ``max_skip`` (``None``:
-    8 with :class:`~jaxcert.decoding.policies.Goodput`, else 0). Its verification widths
-    are the ones :func:`~jaxcert.decoding.costs.calibrate` should measure.
-
-    Raises:
-      ValueError: as :func:`speculative_decode` for a head the target cannot feed.
-    """
-    config = _with_head(config, target, drafter)
-    proposes = bool(getattr(getattr(drafter, "model", drafter), "proposes_tokens", False))
-    goodput = isinstance(policy, policies_lib.Goodput)
-    skips = config.max_skip if config.max_skip is not None else (8 if goodput else 0)
-    return dataclasses.replace(config, proposes_tokens=proposes, max_skip=skips)
-
-
-def _bound(drafter, target):
-    """An :class:`~jaxcert.decoding.ngram.NgramDrafter` built without a vocabulary size
-    takes the target's; any other drafter is returned as it is."""
-    if isinstance(drafter, NgramDrafter) and drafter.config is None:
-        vocab_size = _vocab_size(target)
-        if vocab_size is None:
-            raise ValueError(
-                "NgramDrafter needs the target's vocabulary size: pass a target with a "
-                "config, or build it with NgramDrafter(n, vocab_size=V)"
-            )
-        return drafter.for_vocabulary(vocab_size)
-    return drafter
-
-
-def _prepare_prompts(prompts, prompt_width, minimum, vocab_size, models_, new_tokens, draft):
-    """Validates the prompts and the context length; returns the (bucketed) prompt width.
-
-    Without ``prompt_width`` the width is the longest prompt's :func:`bucket`, so batches of
-    similar prompts share one program.
-    """
-    _, lengths = pad_prompts(prompts, width=prompt_width, minimum=minimum, vocab_size=vocab_size)
-    longest = int(lengths.max())
-    models.check_context_length(
-        models_, prompt_tokens=longest, new_tokens=new_tokens, draft_positions=draft
-    )
-    return prompt_width if prompt_width is not None else bucket(longest)
-
-
-def _outputs(state, rows: int) -> tuple[list[np.ndarray], np.ndarray]:
-    """Per row, the output tokens, and ``[B]`` rounds, of the first ``rows`` rows."""
-    tokens, length, prompt = jax.device_get((state.tokens, state.length, state.prompt_length))
-    rounds = np.asarray(jax.device_get(state.rounds))[:rows]
-    return [tokens[b, prompt[b] : length[b]].copy() for b in range(rows)], rounds
-
-
-def _generated(state, rows: int):
-    """Output tokens so far in the first ``rows`` rows (the others pad the batch)."""
-    new = state.length - state.prompt_length
-    return jnp.sum(new if new.shape[0] == rows else new[:rows])
-
-
-def _drive(pre, pre_args, call, rows: int, progress) -> tuple:
-    """The host loop of both decoders: the timed prefill, then ``call(state)`` until every
-    row is done. Returns ``(state, prefill_s, decode_s, calls)``, ``calls`` a list of
-    ``(seconds, tokens)`` per call."""
-    t0 = time.perf_counter()
-    state = pre(*pre_args)
-    jax.block_until_ready(state)
-    prefill_s = time.perf_counter() - t0
-    decode_s, done, before, calls = 0.0, False, 0, []
-    while not done:
-        t0 = time.perf_counter()
-        state = call(state)
-        done, generated = jax.device_get((jnp.all(state.done), _generated(state, rows)))
-        seconds = time.perf_counter() - t0
-        decode_s += seconds
-        calls.append((seconds, int(generated) - before))
-        before = int(generated)
-        if progress is not None:
-            progress(int(generated))
-    return state, prefill_s, decode_s, calls
-
-
-def _plain_steps(plain, t_params, state, config: DecodeConfig, chunks: list, losing=True):
-    """``goodput``'s skipped rounds: up to ``config.skips`` target-only steps (``plain``, a
-    compiled :func:`loop.run_target_steps`) on the speculative state. The drafter's cache
-    and re-read start stay (it catches up in its next re-read); the skip count grows by the
-    steps run; each step is recorded as a round that drafted nothing and emitted one token.
-    ``losing=False`` (a probe of the plain step's cost, not a skip the policy chose): the
-    drafting round before it does not count as a losing measurement.
-    Returns ``(state, steps run)``."""
-    before = np.asarray(jax.device_get(state.rounds))  # read before `plain` donates it
-    state = plain(t_params, state)
-    steps = np.asarray(jax.device_get(state.rounds)) - before  # [B] steps per row
-    assert state.policy is not None
-    ran = int(steps.max(initial=0))
-    rows = int(np.sum(steps > 0))  # rows still decoding: those the last measurement weighed
-    weighed = rows if losing else 0
-    state = state.replace(policy=policies_lib.skipped_round(state.policy, ran, weighed))
-    chunks.append(_plain_round_stats(steps, config.skips, config.num_nodes))
-    return state, ran
-
-
-def _plain_round_stats(steps: np.ndarray, rounds: int, nodes: int) -> RoundStats:
-    """Host statistics ``[rounds, B]`` of plain target steps, ``steps[b]`` in row ``b``:
-    each a round that drafted nothing and emitted one token."""
-    active = np.arange(rounds)[:, None] < steps[None, :]  # [rounds, B]
-    empty = jax.device_get(stats_lib.empty_round_stats(rounds, active.shape[1], nodes))
-    return empty.replace(active=active, emitted=active.astype(np.int32))
-
-
-def _never_drafts(params: policies_lib.PolicyParams, config: DecodeConfig, batch: int) -> bool:
-    """Whether ``goodput`` will run every round of a ``batch``-row decode as a plain step:
-    its first round skips on the prior from earlier decodes, and that skip, a losing
-    measurement of ``batch`` row-rounds, reaches ``patience``, so it never measures again
-    (``docs/goodput.md``, "What earlier decodes measured")."""
-    patience = int(jax.device_get(params.patience))
-    if config.skips == 0 or patience <= 0 or batch < patience or config.proposes_tokens:
-        return False  # a proposing drafter is read before every round, whatever the past
-    state = policies_lib.init_policy_state(params, batch)
-    active = jnp.ones((batch,), bool)  # every row, padding rows included, starts active
-    need = jnp.ones((batch,), jnp.float32)  # equal budgets: only their ratios matter
-    skip = policies_lib.should_skip(params, state, active, config.skips, need)
-    return bool(skip)
-
-
-def _without_drafter(
-    target, prompts, config, static, *, key, prompt_width, progress, mesh, on_compile,
-    programs, costs, policy_params, calibrated, mode,
-) -> DecodeOutput:  # fmt: skip
-    """A ``goodput`` decode that will not draft (:func:`_never_drafts`), run as
-    :func:`target_decode`: every step is recorded as a round that drafted nothing and
-    emitted one token, and the past is kept with nothing drafted (so its weight halves).
-    The decision is made once, before the prefill, with the costs as they stand."""
-    out = target_decode(
-        target, prompts, max_new_tokens=config.max_new_tokens, temperature=config.temperature,
-        top_p=config.top_p, eos_ids=config.eos_ids, key=key, prompt_width=prompt_width,
-        progress=progress, mesh=mesh, on_compile=on_compile, programs=programs,
-    )  # fmt: skip
-    steps = np.asarray(out.rounds)  # [B] steps per row
-    stats = _plain_round_stats(steps, int(steps.max(initial=0)), static.num_nodes)
-    if calibrated is not None:
-        # No tracker: the overheads stay as they were, since target-only steps are not the
-        # speculative decoder's plain steps (other calls, another state).
-        depths = policy_params.costs.round_s.shape[0]
-        costs_lib.remember(calibrated, None, (mode, 0.0, np.zeros(depths)))
-    weighed = jax.device_get(policy_params.costs)
-    return dataclasses.replace(out, stats=stats, round_costs=weighed)
-
-
 def speculative_decode(
     target,
     drafter,
@@ -383,8 +92,7 @@ def speculative_decode(
     mesh: jax.sharding.Mesh | None = None,
     on_compile: Callable[[str], None] | None = None,
     programs: Programs | None = None,
-    costs: PassCosts | None = None,
-    correct_costs: bool | None = None,
+    costs: GoodputController | PassCosts | None = None,
 ) -> DecodeOutput:
     """Speculative decoding of one batch of token prompts.
 
@@ -405,25 +113,17 @@ def speculative_decode(
       on_compile: called with the program's name before each compilation (a program
         ``programs`` does not hold yet), e.g. to show it in a progress display.
       programs: where compiled programs are kept and counted
-        (:class:`~jaxcert.decoding.programs.Programs`; default: the process's,
-        :func:`~jaxcert.decoding.programs.default_programs`).
-      costs: the pass costs the ``goodput`` policy weighs
-        (:class:`~jaxcert.decoding.costs.PassCosts` at this batch size); default: measured
-        on this machine once and cached (:func:`~jaxcert.decoding.costs.calibrate`).
-        Other policies ignore it.
-      correct_costs: ``goodput`` only: correct those costs as the decoder runs, from the
-        wall time of its own calls (:class:`~jaxcert.decoding.costs.CostTracker`; a
-        calibration times the passes alone, a round also pays for acceptance, statistics
-        and the host's calls). Default (``None``): correct costs calibrated here, keep
-        ``costs`` given by the caller as they are. Never across processes (each would
-        time its own calls, and the costs are one replicated value). A decode that
-        corrects its costs and has drafted but not yet skipped runs one call of plain steps
-        (up to ``max_skip``) to time them, so that a calibration that overstates a plain
-        step is corrected too. What a decode's drafting produced is kept with costs calibrated
-        here, and the next decode at this batch size and sampling mode starts from it
-        (``docs/goodput.md``, "What earlier decodes measured"); when it says the decode
-        will not draft at all, the decode runs as :func:`target_decode` (the drafter does
-        not read the prompts) and its statistics record plain rounds.
+        (:class:`~jaxcert.base.programs.Programs`; default: the process's,
+        :func:`~jaxcert.base.programs.default_programs`).
+      costs: ``goodput`` only (other policies ignore it): the
+        :class:`~jaxcert.decoding.goodput.GoodputController` whose pass costs the policy
+        weighs, corrected by this decode's timed calls and told what its drafting emitted
+        (hold one across decodes, and :meth:`~GoodputController.save` it, to keep what they
+        learn); a :class:`~jaxcert.decoding.costs.PassCosts`: weighed exactly as given;
+        default: this machine's calibration (:meth:`GoodputController.calibrate`, read
+        from or written to the cache), corrected during this decode only. When what earlier
+        decodes measured says this decode will not draft at all, it runs as
+        :func:`target_decode` and its statistics record plain rounds.
 
     Returns:
       A :class:`DecodeOutput`.
@@ -431,180 +131,87 @@ def speculative_decode(
     Raises:
       ValueError: mismatched vocabularies, short prompts or an invalid config; prompts plus
         ``max_new_tokens`` plus the draft depth longer than a model's context
-        (``max_position_embeddings``); models on different meshes or an ``Explicit`` mesh.
+        (``max_position_embeddings``); models on different meshes or an ``Explicit`` mesh;
+        ``goodput`` costs without this batch size or the config's verification widths.
     """
-    drafter = _bound(drafter, target)
-    check_pair(target, drafter)
-    config = resolved_config(config, target, drafter, policy)
-    goodput = isinstance(policy, policies_lib.Goodput)
-    vocab_size = _vocab_size(target)
-    rows = len(prompts)
-    width = _prepare_prompts(
-        prompts, prompt_width, 2, vocab_size, {"target": target, "drafter": drafter},
-        config.max_new_tokens, config.depth,
+    p = pair(target, drafter, config=config, policy=policy, mesh=mesh)
+    c = p.config
+    batch = host.Batch.create(
+        prompts, models_=p.models, vocab_size=p.vocab_size, placement=p.placement, config=c,
+        max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_p=c.top_p,
+        eos_ids=c.eos_ids, key=key, prompt_width=prompt_width,
     )  # fmt: skip
-    (target, drafter), placement = _on_mesh((target, drafter), mesh)
-    t_graphdef, t_params = split_model(target)
-    d_graphdef, d_params = split_model(drafter)
-    prompt, lengths = _padded(prompts, width, 2, vocab_size, placement)
-    key = jax.random.key(0) if key is None else key
-    static = config.shape_only()  # budget, end tokens, temperature and top-p are traced
-    sizes = Sizes.for_prompts(width, static, bucket(config.max_new_tokens))
-    settings = Settings.create(
-        config.max_new_tokens, config.temperature, config.top_p, config.eos_ids
-    )
-    round_costs = policies_lib.RoundCosts.unknown(static.depth)  # zeros: not read
-    if correct_costs is None:
-        correct_costs = costs is None
-    # Each process times its own calls; the policy's costs must be one replicated value.
-    correct_costs = correct_costs and jax.process_count() == 1
-    calibrated = None  # where calibrated costs are kept (their learnt overheads too)
-    if goodput:
-        if costs is None:
-            padded_rows = int(prompt.shape[0])
-            calibrated = costs_lib.cache_path(target, drafter, rows=padded_rows, config=static)
-            costs = costs_lib.calibrate(
-                target, drafter, rows=padded_rows, config=static, path=calibrated
-            )
-        round_costs = costs.round_costs(static)
-    policy_params = policies_lib.PolicyParams.from_policy(policy, round_costs)
-    mode = costs_lib.sampling_mode(config.temperature)
-    past = costs.drafting.get(mode) if goodput and costs is not None else None
-    if past is not None and len(past.rounds) != round_costs.round_s.shape[0]:
-        past = None  # kept for another draft depth: not this decode's evidence
-    # Per row, the prior each row starts with (zeros: none), kept on the host in the
-    # decoder's float32 to subtract exactly from what the decode counted when it ends.
-    past_row = (np.float32(0.0), np.zeros(round_costs.round_s.shape, np.float32))
-    if past is not None:
-        # What earlier decodes' drafting produced: the first round's skip decision weighs
-        # it (docs/goodput.md, "What earlier decodes measured").
-        emitted, rounds = past.per_row(int(prompt.shape[0]))
-        past_row = (np.float32(emitted), rounds.astype(np.float32))
-        policy_params = policy_params.with_past(*past_row)
-    if isinstance(config.tree, loop.tree_lib.Chain) and policy.k_max > config.max_draft:
-        policy_params = policy_params.replace(k_max=jnp.asarray(config.max_draft, jnp.int32))
-    policy_params, key, settings = _replicated((policy_params, key, settings), placement)
-    hand_off = loop.hands_off(static)
-    if hand_off and past is not None and _never_drafts(policy_params, static, prompt.shape[0]):
-        # What earlier decodes measured says this decode will not draft at all: it runs as
-        # target-only decoding, and the drafter does not even read the prompts.
+    goodput = _goodput(policy, costs, p, batch)
+    params = _policy_params(policy, c, goodput, p.placement)
+    if (
+        goodput is not None
+        and goodput.prior is not None
+        and host.never_drafts(params, c.shape_only(), int(batch.prompt.shape[0]))
+    ):
         return _without_drafter(
-            target, prompts, config, static, key=key, prompt_width=width, progress=progress,
-            mesh=mesh, on_compile=on_compile, programs=programs, costs=costs,
-            policy_params=policy_params, calibrated=calibrated if correct_costs else None,
-            mode=mode,
+            p.models["target"], prompts, c, goodput, params, key=key, prompt_width=batch.width,
+            progress=progress, mesh=mesh, on_compile=on_compile, programs=programs,
         )  # fmt: skip
     programs = default_programs() if programs is None else programs
-    t0, before = time.perf_counter(), programs.compiled
-    graphdefs = {"t_graphdef": t_graphdef, "d_graphdef": d_graphdef}
-    pre_args = (t_params, d_params, prompt, lengths, policy_params, key, settings)
-    pre = programs.compile(
-        loop.prefill, pre_args, graphdefs | {"config": static, "sizes": sizes}, on_compile
-    )
-    run_args = (t_params, d_params, pre.out_info, policy_params)
-    run = programs.compile(loop.run_rounds, run_args, graphdefs | {"config": static}, on_compile)
-    if hand_off:  # goodput's plain steps run in the target-only program
-        # A proposing drafter is read before every round and after every plain step.
-        looks = static.proposes_tokens
-        look_args = (d_params,) if looks else ()
-        look_kw = {"d_graphdef": d_graphdef} if looks else {}
-        plan_program = programs.compile(
-            loop.skip_next, (policy_params, pre.out_info, *look_args),
-            {"config": static} | look_kw, on_compile,
-        )  # fmt: skip
-        steps_kw = {
-            "graphdef": t_graphdef,
-            "steps": static.skips,
-            "sampling": static.verification.sampling,
-            "taps": static.head_taps,  # a draft head's context gains each step's states
-        }
-        if looks:
-            steps_kw |= look_kw | {"config": static}
-            look_args += (policy_params,)
-        steps_program = programs.compile(
-            loop.run_target_steps, (t_params, pre.out_info, *look_args), steps_kw, on_compile
-        )
-
-        def plan(policy_params, state):
-            return plan_program(policy_params, state, *((d_params,) if looks else ()))
-
-        def plain(t_params, state):
-            extra = (d_params, policy_params) if looks else ()
-            return steps_program(t_params, state, *extra)
-
-    compile_s, compiled = time.perf_counter() - t0, programs.compiled - before
-    chunks: list = []
-    tracker = None
-    if goodput and hand_off and correct_costs:
-        assert costs is not None
-        learnt = (costs.round_overhead_s, costs.step_overhead_s)
-        tracker = costs_lib.CostTracker(
-            costs.round_costs(static, overhead=False),
-            prior=learnt if any(learnt) else None,
-            scale=costs.round_scale,
-        )
-
-    programs_run: list[str] = []  # per call: "steps" or "rounds" (DecodeOutput.calls)
-
-    def call(state):
-        nonlocal policy_params
-        t0 = time.perf_counter()
-        skip = hand_off and bool(plan(policy_params, state))
-        # The plain step's cost is measured too, once a decode has drafted: a calibration
-        # that overstates it would otherwise keep the policy drafting, unchecked
-        # (docs/goodput.md, "Measuring the plain step too").
-        probe = hand_off and tracker is not None and bool(chunks) and not tracker.observed["step"]
-        # A program's first execution is slower than the rest: its call is not a cost the
-        # decode will pay again, so the tracker leaves it out (docs/goodput.md, "Costs
-        # that correct themselves").
-        programs_run.append("steps" if skip or probe else "rounds")
-        if skip or probe:
-            first = programs.first_execution(plan_program, steps_program)
-            state, ran = _plain_steps(plain, t_params, state, static, chunks, losing=skip)
-            if tracker is not None and not first:
-                tracker.observe_steps(time.perf_counter() - t0, ran)
-        else:
-            first = programs.first_execution(run, *((plan_program,) if hand_off else ()))
-            state, stats = run(t_params, d_params, state, policy_params)
-            chunks.append(jax.device_get(stats))
-            if tracker is not None and not first:
-                active = chunks[-1].active
-                depths = np.where(active, chunks[-1].depth, 0).max(axis=1)[active.any(axis=1)]
-                tracker.observe_rounds(time.perf_counter() - t0, depths)
-        if tracker is not None:
-            costs_now = _replicated(tracker.round_costs(), placement)
-            policy_params = policy_params.replace(costs=costs_now)
-        return state
-
-    state, prefill_s, decode_s, timed = _drive(pre, pre_args, call, rows, progress)
-    calls = tuple(DecodeCall(k, s, n) for k, (s, n) in zip(programs_run, timed, strict=True))
-    stats = jax.tree.map(lambda *xs: np.concatenate(xs, axis=0)[:, :rows], *chunks)
-    keep = np.any(stats.active, axis=1)
-    stats = jax.tree.map(lambda x: x[keep], stats)
-    tokens, rounds = _outputs(state, rows)
-    if tracker is not None and calibrated is not None:
-        # The next run starts from what this one saw: the overheads, and what drafting
-        # produced this decode (the rows' counts less the prior they started with).
-        assert state.policy is not None
-        emitted, counted = jax.device_get((state.policy.emitted, state.policy.rounds))
-        drafted = (
-            mode,
-            float(np.sum(emitted[:rows] - past_row[0])),
-            np.maximum(np.sum(counted[:rows] - past_row[1], axis=0), 0.0),
-        )
-        costs_lib.remember(calibrated, tracker, drafted)
-    weighed = jax.device_get(policy_params.costs) if goodput else None
+    compiled = host.compile_speculative(p, batch, params, programs, on_compile)
+    calls = host.SpeculativeCalls(compiled, params, c.shape_only(), goodput, p.placement)
+    state, prefill_s, decode_s, timed = host.drive(compiled.prefill, calls, batch.rows, progress)
+    if goodput is not None and compiled.steps is not None:
+        goodput.finish(*host.drafted(state, batch.rows, goodput.prior))
+    tokens, rounds = host.outputs(state, batch.rows)
     return DecodeOutput(
-        tokens,
-        stats,
-        rounds,
-        prefill_s,
-        decode_s,
-        compile_s,
-        compiled,
-        round_costs=weighed,
-        calls=calls,
-    )
+        tokens, calls.stats(batch.rows), rounds, prefill_s, decode_s, compiled.compile_s,
+        compiled.compiled,
+        round_costs=jax.device_get(calls.params.costs) if goodput is not None else None,
+        calls=tuple(
+            DecodeCall(k, s, n) for k, (s, n) in zip(calls.programs_run, timed, strict=True)
+        ),
+    )  # fmt: skip
+
+
+def _goodput(policy, costs, p, batch) -> host.GoodputRun | None:
+    """``goodput``'s :class:`~jaxcert.decoding.goodput.GoodputRun` for this decode (``None``
+    for the other policies)."""
+    if not isinstance(policy, policies_lib.Goodput):
+        return None
+    rows = int(batch.prompt.shape[0])
+    if costs is None:
+        targets = (p.models["target"], p.models["drafter"])
+        costs = GoodputController.calibrate(*targets, config=p.config.shape_only(), rows=rows)
+    elif isinstance(costs, PassCosts):
+        costs = GoodputController(costs, correct=False)
+    return costs.begin(rows, p.config.shape_only(), p.config.temperature)
+
+
+def _policy_params(policy, config: DecodeConfig, goodput, placement):
+    """The policy lowered to traced scalars, with ``goodput``'s costs and prior, replicated
+    on the mesh."""
+    depth = config.shape_only().depth
+    costs = policies_lib.RoundCosts.unknown(depth) if goodput is None else goodput.round_costs
+    params = policies_lib.PolicyParams.from_policy(policy, costs)
+    if goodput is not None and goodput.prior is not None:
+        # What earlier decodes' drafting produced: the first round's skip decision weighs
+        # it (docs/goodput.md, "What earlier decodes measured").
+        params = params.with_past(*goodput.prior)
+    if isinstance(config.tree, loop.tree_lib.Chain) and policy.k_max > config.max_draft:
+        params = params.replace(k_max=jnp.asarray(config.max_draft, jnp.int32))
+    return replicated(params, placement)
+
+
+def _without_drafter(target, prompts, config, goodput, params, **kw) -> DecodeOutput:
+    """A ``goodput`` decode that will not draft (:func:`~jaxcert.decoding.host.never_drafts`),
+    run as :func:`target_decode`: every step is recorded as a round that drafted nothing
+    and emitted one token, and the past is kept with nothing drafted (so its weight halves;
+    the overheads stay: target-only steps are not the speculative decoder's plain steps)."""
+    out = target_decode(
+        target, prompts, max_new_tokens=config.max_new_tokens, temperature=config.temperature,
+        top_p=config.top_p, eos_ids=config.eos_ids, **kw,
+    )  # fmt: skip
+    steps = np.asarray(out.rounds)  # [B] steps per row
+    nodes = config.shape_only().num_nodes
+    stats = host.plain_round_stats(steps, int(steps.max(initial=0)), nodes)
+    goodput.finish(0.0, np.zeros(params.costs.round_s.shape))
+    return dataclasses.replace(out, stats=stats, round_costs=jax.device_get(params.costs))
 
 
 def target_decode(
@@ -635,30 +242,25 @@ def target_decode(
     """
     check_sampling(temperature, top_p)
     check_int("max_new_tokens", max_new_tokens)
-    vocab_size = _vocab_size(target)
-    rows = len(prompts)
-    width = _prepare_prompts(
-        prompts, prompt_width, 1, vocab_size, {"target": target}, max_new_tokens, 0
-    )
-    settings = Settings.create(max_new_tokens, temperature, top_p, eos_ids)
-    (target,), placement = _on_mesh((target,), mesh)
-    graphdef, params = split_model(target)
-    prompt, lengths = _padded(prompts, width, 1, vocab_size, placement)
-    key = jax.random.key(0) if key is None else key
-    key, settings = _replicated((key, settings), placement)
-    sizes = Sizes.for_prompts(width, None, bucket(max_new_tokens))
+    (placed,), placement = on_mesh((target,), mesh)
+    batch = host.Batch.create(
+        prompts, models_={"target": target}, vocab_size=vocab_size(target), placement=placement,
+        config=None, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+        eos_ids=eos_ids, key=key, prompt_width=prompt_width,
+    )  # fmt: skip
+    graphdef, params = split_model(placed)
     programs = default_programs() if programs is None else programs
     t0, before = time.perf_counter(), programs.compiled
-    pre_args = (params, prompt, lengths, key, settings)
+    pre_args = (params, batch.prompt, batch.lengths, batch.key, batch.settings)
     pre = programs.compile(
-        loop.prefill_target, pre_args, {"graphdef": graphdef, "sizes": sizes}, on_compile
+        loop.prefill_target, pre_args, {"graphdef": graphdef, "sizes": batch.sizes}, on_compile
     )
     kw = dict(graphdef=graphdef, steps=rounds_per_call, sampling=temperature > 0)
     run = programs.compile(loop.run_target_steps, (params, pre.out_info), kw, on_compile)
     compile_s, compiled = time.perf_counter() - t0, programs.compiled - before
-    state, prefill_s, decode_s, timed = _drive(
-        pre, pre_args, lambda st: run(params, st), rows, progress
+    state, prefill_s, decode_s, timed = host.drive(
+        lambda: pre(*pre_args), lambda st: run(params, st), batch.rows, progress
     )
-    tokens, rounds = _outputs(state, rows)
+    tokens, rounds = host.outputs(state, batch.rows)
     calls = tuple(DecodeCall("steps", s, n) for s, n in timed)
     return DecodeOutput(tokens, None, rounds, prefill_s, decode_s, compile_s, compiled, calls=calls)

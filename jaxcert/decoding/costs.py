@@ -5,16 +5,17 @@ drafter steps and one target pass over the root and the drafted nodes, at the ve
 width the decoder uses (the node count's bucket, :meth:`DecodeConfig.verify_buckets`). A
 plain target step costs a one-token target pass. :class:`PassCosts` holds measured seconds
 of those passes at one batch size; :func:`measure` times them (compiled, warmed up, the
-median of a few runs), :func:`calibrate` keeps the result in the cache (``costs/`` under
-:func:`jaxcert.base.paths.cache_dir`, keyed by machine, model pair, dtype, batch rows and
-widths), and :meth:`PassCosts.round_costs` lowers it to the traced
+median of a few runs), :func:`cache_path` names the file a calibration keeps them in
+(``costs/`` under :func:`jaxcert.base.paths.cache_dir`, keyed by machine, model pair,
+dtype, batch rows and widths; :class:`~jaxcert.decoding.goodput.GoodputController` reads
+and writes it), and :meth:`PassCosts.round_costs` lowers it to the traced
 :class:`~jaxcert.decoding.policies.RoundCosts` a decoder reads. ``scripts/bench_pass_width.py``
 prints the same measurements. A calibration times the passes alone; a decoder's round also
 pays for acceptance, cache rollback, statistics and the host's calls, so
 :class:`CostTracker` corrects the calibrated costs from the decoder's own timed calls as it
 runs (``docs/goodput.md``, "Costs that correct themselves"). What a decoder learnt (those
-overheads, and what its drafting rounds produced: :class:`PastDrafting`) is kept in the
-same file by :func:`remember`, so the next decode starts from it.
+overheads, and what its drafting rounds produced: :class:`PastDrafting`) is kept by the
+controller the caller holds, so the next decode starts from it.
 """
 
 from __future__ import annotations
@@ -43,9 +44,7 @@ __all__ = [
     "PastDrafting",
     "CostTracker",
     "measure",
-    "calibrate",
     "cache_path",
-    "remember",
     "nodes_at_depth",
     "FORMAT",
 ]
@@ -189,24 +188,64 @@ class PassCosts:
 
     @classmethod
     def from_json(cls, data: dict) -> PassCosts:
-        """Raises ``ValueError`` for another format version or missing fields."""
-        if data.get("format") != FORMAT:
-            raise ValueError(f"pass costs of format {data.get('format')!r}, expected {FORMAT}")
+        """The costs :meth:`to_json` wrote.
+
+        Raises:
+          ValueError: another format version, a missing field, or a number that is not
+            finite, or not positive where it must be (rows, a target pass's width and
+            seconds, ``round_scale``; ``drafter_s`` may be 0).
+        """
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            found = data.get("format") if isinstance(data, dict) else type(data).__name__
+            raise ValueError(f"pass costs of format {found!r}, expected {FORMAT}")
         try:
-            target = {int(k): float(v) for k, v in data["target_s"].items()}
-            return cls(
-                rows=int(data["rows"]),
+            if not isinstance(data["target_s"], dict) or not data["target_s"]:
+                raise ValueError(f"target_s must map widths to seconds, got {data['target_s']!r}")
+            target = {
+                _count("a width of target_s", k): _number(f"target_s[{k}]", v)
+                for k, v in data["target_s"].items()
+            }
+            costs = cls(
+                rows=_count("rows", data["rows"]),
                 target_s=target,
-                drafter_s=float(data["drafter_s"]),
-                round_overhead_s=float(data.get("round_overhead_s", 0.0)),
-                step_overhead_s=float(data.get("step_overhead_s", 0.0)),
-                round_scale=float(data.get("round_scale", 1.0)),
+                drafter_s=_number("drafter_s", data["drafter_s"], ">= 0"),
+                round_overhead_s=_number(
+                    "round_overhead_s", data.get("round_overhead_s", 0), "any"
+                ),
+                step_overhead_s=_number("step_overhead_s", data.get("step_overhead_s", 0), "any"),
+                round_scale=_number("round_scale", data.get("round_scale", 1.0)),
                 drafting={
                     str(mode): _past(past) for mode, past in data.get("drafting", {}).items()
                 },
             )
-        except (KeyError, TypeError, ValueError, AttributeError) as err:
-            raise ValueError(f"malformed pass costs: {err}") from None
+        except (KeyError, TypeError, AttributeError) as err:
+            raise ValueError(f"malformed pass costs: missing or wrong field {err}") from None
+        return costs
+
+
+def _count(name: str, value) -> int:
+    """``value`` (an int, or its decimal text as a JSON key) as an int ``>= 1``."""
+    text = str(value).strip() if isinstance(value, (int, str)) and value is not True else ""
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(text)
+
+
+def _overhead(data: dict, kind: str) -> float:
+    """``round_overhead_s`` or ``step_overhead_s`` (0 when absent): finite, any sign."""
+    return _number(f"{kind}_overhead_s", data.get(f"{kind}_overhead_s", 0.0), "any")
+
+
+def _number(name: str, value, need: str = "> 0") -> float:
+    """``value`` as a finite float that meets ``need`` (``"> 0"``, ``">= 0"`` or ``"any"``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    x = float(value)
+    ok = {"> 0": x > 0, ">= 0": x >= 0, "any": True}[need]
+    if not (np.isfinite(x) and ok):
+        what = "finite" if need == "any" else f"finite and {need}"
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    return x
 
 
 def _past(data: dict) -> PastDrafting:
@@ -506,88 +545,7 @@ def _key(target, drafter, rows: int, config: DecodeConfig, context: int) -> str:
 def cache_path(
     target, drafter, *, rows: int, config: DecodeConfig, context: int = 256, folder=None
 ) -> pathlib.Path:
-    """Where :func:`calibrate` keeps the costs of this machine, pair, rows and widths."""
+    """Where :meth:`~jaxcert.decoding.goodput.GoodputController.calibrate` keeps the costs
+    of this machine, pair, rows and widths."""
     root = pathlib.Path(folder) if folder is not None else cache_dir() / "costs"
     return root / f"{_key(target, drafter, rows, config, context)}.json"
-
-
-def _write(path: pathlib.Path, costs: PassCosts) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(costs.to_json(), indent=1))
-    tmp.replace(path)
-
-
-def remember(
-    path: str | os.PathLike,
-    tracker: CostTracker | None,
-    drafted: tuple[str, float, np.ndarray] | None = None,
-) -> PassCosts | None:
-    """Keeps what a decode learnt in the calibration file at ``path``, so the next run
-    starts from it: the overheads ``tracker`` learnt (``None``: the file's stay as they
-    are), and ``drafted``, ``(mode, emitted,
-    rounds)``: what the decode's drafting rounds emitted in how many row-rounds by depth
-    (``[K + 1]``; zeros if it never drafted), folded into that mode's
-    :class:`PastDrafting` (:meth:`PastDrafting.then`). Returns the updated costs
-    (``None``: no usable file there, nothing written)."""
-    path = pathlib.Path(path)
-    try:
-        costs = PassCosts.from_json(json.loads(path.read_text()))
-    except (OSError, ValueError, json.JSONDecodeError):
-        return None
-    drafting = dict(costs.drafting)
-    if drafted is not None:
-        mode, emitted, rounds = drafted
-        rounds = np.asarray(rounds, np.float64)
-        past = drafting.get(mode)
-        if past is None or len(past.rounds) != rounds.shape[0]:
-            past = PastDrafting(0.0, (0.0,) * rounds.shape[0])
-        drafting[mode] = past.then(emitted, rounds, rows=costs.rows)
-    if tracker is not None:
-        costs = dataclasses.replace(
-            costs,
-            round_overhead_s=tracker.overhead_s("round"),
-            step_overhead_s=tracker.overhead_s("step"),
-            round_scale=tracker.scale(),
-        )
-    costs = dataclasses.replace(costs, drafting=drafting)
-    _write(path, costs)
-    return costs
-
-
-def calibrate(
-    target,
-    drafter,
-    *,
-    rows: int,
-    config: DecodeConfig,
-    context: int = 256,
-    repeats: int = 3,
-    folder: str | os.PathLike | None = None,
-    path: str | os.PathLike | None = None,
-    log=None,
-) -> PassCosts:
-    """:func:`measure`, kept in ``folder`` (default ``cache_dir() / "costs"``): a second call
-    for the same machine, models, dtype, rows and widths reads the file instead.
-
-    Args:
-      target, drafter, rows, config, context, repeats: as for :func:`measure`.
-      folder: where the JSON files go.
-      path: the file itself, as :func:`cache_path` gave it for these arguments (a caller
-        that keeps the path, to :func:`remember` what a decode learnt, derives it once);
-        ``None``: derived here.
-      log: called with one line when it measures (e.g. ``print``).
-    """
-    if path is None:
-        path = cache_path(target, drafter, rows=rows, config=config, context=context, folder=folder)
-    path = pathlib.Path(path)
-    if path.is_file():
-        try:
-            return PassCosts.from_json(json.loads(path.read_text()))
-        except (ValueError, json.JSONDecodeError):
-            pass  # a stale or broken file: measure again and replace it
-    if log is not None:
-        log(f"measuring pass costs ({rows} rows); kept in {path}")
-    costs = measure(target, drafter, rows=rows, config=config, context=context, repeats=repeats)
-    _write(path, costs)
-    return costs

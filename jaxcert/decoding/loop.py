@@ -425,6 +425,7 @@ def _commit(state, config, policy, key, tree, d_cache, verified):
     policy_state = policies_lib.update_policy_state(
         policy, state.policy, drafted=depth, accepted=accepted, active=active,
         predicted=policies_lib.tested_estimate(policy, ns.q_cert, tested), match=match,
+        emitted=count,
     )  # fmt: skip
     new_state = state.replace(
         tokens=tokens,

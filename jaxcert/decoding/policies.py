@@ -881,6 +881,7 @@ def update_policy_state(
     active: jax.Array,
     predicted: jax.Array | None = None,
     match: tuple[jax.Array, jax.Array] | None = None,
+    emitted: jax.Array | None = None,
 ) -> PolicyState:
     """The state after a round that ran the drafter (the ``heuristic`` schedule,
     ``goodput``'s acceptance counts, and its measured drafting rate: the round's emitted
@@ -900,7 +901,11 @@ def update_policy_state(
       match: a proposing drafter's ``(accepted, tested)`` ``[B, L]`` float32 tokens of the
         round by match length (:func:`match_counts`); the counts of each length tested
         this round are weighed by ``memory`` first. ``None``: unchanged.
+      emitted: ``[B]`` int32 tokens the round emitted: its accepted drafts and the target's
+        token, less what an end token or the budget cut off (``None``: ``accepted + 1``).
+        The measured drafting rate counts these, never tokens that were not emitted.
     """
+    emitted = accepted + 1 if emitted is None else emitted
     full = accepted >= drafted
     k = jnp.where(full, state.k + 2, jnp.maximum(state.k - 1, 1))
     tested = jnp.minimum(drafted, accepted + 1).astype(jnp.float32)  # the first rejected too
@@ -927,7 +932,7 @@ def update_policy_state(
         predicted=keep * state.predicted + add(predicted),
         skipped=jnp.zeros_like(state.skipped),
         losses=jnp.where(state.skipped == 0, 0, state.losses),
-        emitted=state.emitted + jnp.where(took, accepted + 1, 0).astype(jnp.float32),
+        emitted=state.emitted + jnp.where(took, emitted, 0).astype(jnp.float32),
         rounds=state.rounds + (took[:, None] & at[None, :]).astype(jnp.float32),
         match_accepted=match_accepted,
         match_tested=match_tested,

@@ -42,11 +42,11 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jaxcert import models
+from jaxcert.base.programs import Programs
 from jaxcert.base.prompts import Prompt, encode_prompts
 from jaxcert.base.validate import check_int, round_up
 from jaxcert.core import stats as stats_lib
 from jaxcert.core.solver import certificates
-from jaxcert.decoding.programs import Programs
 from jaxcert.models import mesh as mesh_lib
 from jaxcert.pipeline.report import rule_column
 

@@ -13,10 +13,11 @@ import pytest
 from tiny_decoding import CONFIG, MAX_NEW, PROMPTS, WIDTH, random_model
 
 from jaxcert import decoding
+from jaxcert.base.programs import default_programs
 
 # Compilation dominates these tests (tiny models, a dozen decoder configurations) and LLVM's
 # optimisations buy nothing at this size: -O0 halves the decoders' compile time.
-decoding.default_programs().compiler_options["xla_backend_optimization_level"] = 0
+default_programs().compiler_options["xla_backend_optimization_level"] = 0
 
 
 @pytest.fixture(scope="session")

@@ -10,9 +10,11 @@ from flax import nnx
 from tiny_decoding import MAX_NEW, PROMPTS, WIDTH
 
 from jaxcert import decoding
+from jaxcert.base.programs import default_programs
 from jaxcert.base.prompts import pad_prompts
 from jaxcert.decoding import loop
-from jaxcert.decoding.config import Sizes
+from jaxcert.decoding.config import Sizes, bucket
+from jaxcert.decoding.policies import PolicyParams
 from jaxcert.decoding.state import Settings
 from jaxcert.models import KVCache, forward
 
@@ -51,15 +53,15 @@ def test_no_stale_cache_entries_after_rejections(target, drafters, verify, kw):
     (t_graph, t_params), (d_graph, d_params) = nnx.split(target), nnx.split(drafter)
     prompt, lengths = map(jnp.asarray, pad_prompts(PROMPTS, width=WIDTH, minimum=2))
     static = config.shape_only()
-    sizes = Sizes.for_prompts(WIDTH, static, decoding.bucket(MAX_NEW))
-    policy = decoding.PolicyParams.from_policy(decoding.Constant(k=3))
+    sizes = Sizes.for_prompts(WIDTH, static, bucket(MAX_NEW))
+    policy = PolicyParams.from_policy(decoding.Constant(k=3))
     graphdefs = dict(t_graphdef=t_graph, d_graphdef=d_graph)
     settings = Settings.create(MAX_NEW, 0.0, 1.0, ())
     args = (t_params, d_params, prompt, lengths, policy, jax.random.key(0), settings)
-    pre = decoding.default_programs().compile(
+    pre = default_programs().compile(
         loop.prefill, args, graphdefs | dict(config=static, sizes=sizes)
     )
-    run = decoding.default_programs().compile(
+    run = default_programs().compile(
         loop.run_rounds, (t_params, d_params, pre.out_info, policy), graphdefs | dict(config=static)
     )
     state = pre(*args)

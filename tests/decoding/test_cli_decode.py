@@ -13,6 +13,7 @@ from tiny_decoding import CONFIG, random_model, write_gguf
 
 from jaxcert import cli, decoding, models
 from jaxcert.cli import decode as decode_cli
+from jaxcert.decoding import costs as costs_lib
 from jaxcert.decoding import run_report
 from jaxcert.models import gguf as gguf_loader
 from jaxcert.models import hf as hf_loader
@@ -226,9 +227,41 @@ def test_decode_with_goodput_and_given_costs(files, monkeypatch, capsys, tmp_pat
     assert "measuring pass costs" not in capsys.readouterr().err
     rows = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
     assert rows and all(r["identical"] for r in rows)
-    costs.write_text(json.dumps({"4": dear.to_json()}))
+    costs.write_text(json.dumps({"4": dataclasses.replace(dear, rows=4).to_json()}))
     _no_loading(monkeypatch)
     argv = _argv(files, files["root"] / "out-goodput-2", "--costs", str(costs))
     argv[argv.index("--policy") + 1] = "goodput"
     assert cli.main(argv) == 2
     assert "no costs for batches of [2] rows" in capsys.readouterr().err
+
+
+def test_decode_with_goodput_corrects_and_keeps_its_costs(files, monkeypatch, tmp_path):
+    """``jaxcert decode --policy goodput`` takes the library's path: its calibration is
+    corrected from the decode's own calls and what the decode learnt is kept. (It used to
+    calibrate and pass fixed costs: after two runs the file still read ``round_overhead_s
+    0.0, round_scale 1.0, drafting {}``.) A ``--costs`` file is read, never written."""
+    monkeypatch.setenv("JAXCERT_CACHE", str(tmp_path / "cache"))
+
+    def cheap(target, drafter, *, rows, config, **kw):  # drafting pays: the runs draft
+        widths = {1} | {b + 1 for b in config.verify_buckets()}
+        return decoding.PassCosts(rows=rows, target_s=dict.fromkeys(widths, 1.0), drafter_s=0.01)
+
+    monkeypatch.setattr(costs_lib, "measure", cheap)
+    kept = []
+    for run in range(2):
+        argv = _argv(files, tmp_path / f"out-{run}", "--no-baseline")
+        argv[argv.index("--policy") + 1] = "goodput"
+        assert cli.main(argv) == 0
+        (path,) = (tmp_path / "cache" / "costs").glob("*.json")
+        kept.append(json.loads(path.read_text()))
+    for data in kept:  # what the drafting rounds emitted is kept after each run
+        assert set(data["drafting"]) == {"greedy"} and sum(data["drafting"]["greedy"]["rounds"])
+    # The first run's one call is its programs' first execution, which is not timed; the
+    # second run's is timed: the tiny pair's rounds take far less than the passes claim.
+    assert kept[0]["round_overhead_s"] == 0.0 and kept[1]["round_overhead_s"] < 0.0
+    given = tmp_path / "given.json"
+    decoding.GoodputController(decoding.PassCosts.from_json(kept[1])).save(given)
+    before = given.read_bytes()
+    argv = _argv(files, tmp_path / "out-given", "--no-baseline", "--costs", str(given))
+    argv[argv.index("--policy") + 1] = "goodput"
+    assert cli.main(argv) == 0 and given.read_bytes() == before

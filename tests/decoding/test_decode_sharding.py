@@ -23,7 +23,7 @@ from jaxcert.decoding import loop
 from tiny_decoding import random_model
 from tiny_models import tiny_config
 
-decoding.default_programs().compiler_options["xla_backend_optimization_level"] = 0
+default_programs().compiler_options["xla_backend_optimization_level"] = 0
 CONFIG = tiny_config(vocab_size=64, num_kv_heads=4)
 target = random_model(CONFIG, seed=1)
 drafter = random_model(CONFIG, seed=7, noise_of=target, scale=0.003)
@@ -45,10 +45,10 @@ def compare(prompts, verify, buckets, t_mesh, d_mesh):
     '''Runs one device and the mesh; returns what the test asserts on.'''
     greedy = decoding.target_decode(target, prompts, max_new_tokens=12, prompt_width=9)
     want = decode(target, drafter, prompts, verify, buckets)
-    decoding.default_programs().clear()
+    default_programs().clear()
     got = decode(t_mesh, d_mesh, prompts, verify, buckets)
     (state, _), = [c.output_shardings
-                   for c in decoding.default_programs().of(loop.run_rounds)]
+                   for c in default_programs().of(loop.run_rounds)]
     greedy_mesh = decoding.target_decode(t_mesh, prompts, max_new_tokens=12, prompt_width=9)
     a, b = want.stats.nodes, got.stats.nodes
     return {

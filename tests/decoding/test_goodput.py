@@ -4,6 +4,7 @@ drafter, draft head, n-gram lookup), one program for every goodput parameter and
 the cost model's calibration file."""
 
 import dataclasses
+import functools
 import json
 
 import jax
@@ -14,8 +15,11 @@ from tiny_decoding import CONFIG, MAX_NEW, PROMPTS, WIDTH, random_model
 
 from jaxcert import decoding
 from jaxcert.decoding import costs as costs_lib
+from jaxcert.decoding import goodput as goodput_lib
 from jaxcert.decoding import policies as P
 from jaxcert.decoding.costs import PassCosts
+from jaxcert.decoding.goodput import GoodputController
+from jaxcert.decoding.pairing import resolved_config
 
 # Verification as dear as drafting buys: a plain step (1 s) beats drafting at the prior
 # rate, but once a probe round has paid the re-read, drafting pays (see _mixed_choices).
@@ -551,29 +555,92 @@ def test_calibrate_measures_once_and_keeps_the_result(pair, tmp_path, monkeypatc
         return real(*args, **kwargs)
 
     monkeypatch.setattr(costs_lib, "measure", counted)
-    first = costs_lib.calibrate(*pair, rows=2, config=config, folder=tmp_path, repeats=1)
+    calibrate = functools.partial(
+        GoodputController.calibrate, *pair, config=config, folder=tmp_path, repeats=1
+    )
+    first = calibrate(rows=2).costs(2)
     assert sorted(first.target_s) == [1, 2, 3] and first.drafter_s > 0
     assert all(v > 0 for v in first.target_s.values())
-    again = costs_lib.calibrate(*pair, rows=2, config=config, folder=tmp_path, repeats=1)
+    again = calibrate(rows=2).costs(2)
     assert again == first and len(calls) == 1
     (path,) = tmp_path.glob("*.json")
     assert json.loads(path.read_text())["format"] == costs_lib.FORMAT
     path.write_text("{broken")  # a damaged file is measured again, not trusted
-    second = costs_lib.calibrate(*pair, rows=2, config=config, folder=tmp_path, repeats=1)
-    assert len(calls) == 2
-    other = costs_lib.calibrate(*pair, rows=3, config=config, folder=tmp_path, repeats=1)
-    assert other.rows == 3 and len(calls) == 3 and len(list(tmp_path.glob("*.json"))) == 2
-    # A path given (as speculative_decode keeps it) is the file read and written.
-    assert costs_lib.calibrate(*pair, rows=2, config=config, path=path, repeats=1) == second
-    assert len(calls) == 3
-    elsewhere = tmp_path / "given" / "costs.json"
-    costs_lib.calibrate(*pair, rows=2, config=config, path=elsewhere, repeats=1)
-    assert len(calls) == 4 and elsewhere.is_file()
+    with pytest.warns(UserWarning, match=f"pass costs {path}: .*; measuring again"):
+        calibrate(rows=2)
+    assert len(calls) == 2 and PassCosts.from_json(json.loads(path.read_text()))
+    both = calibrate(rows=[3, 2])
+    assert sorted(both.table) == [2, 3] and len(calls) == 3
+    assert len(list(tmp_path.glob("*.json"))) == 2
     # A draft head's step is timed with a context; the lookup drafter's is free.
     head = decoding_head(pair[0])
     assert real(pair[0], head, rows=1, config=config, repeats=1).drafter_s > 0
     ngram = decoding.NgramDrafter(2, vocab_size=CONFIG.vocab_size)
     assert real(pair[0], ngram, rows=1, config=config, repeats=1).drafter_s == 0
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("drafter_s", float("nan"), "drafter_s must be finite and >= 0, got nan"),
+        ("target_s", {}, "target_s must map widths to seconds, got {}"),
+        ("round_scale", -3.0, "round_scale must be finite and > 0, got -3.0"),
+        ("round_overhead_s", float("inf"), "round_overhead_s must be finite, got inf"),
+        ("target_s", {"1": 0.0, "2": 1.0, "3": 1.0}, r"target_s\[1\] must be finite and > 0"),
+        ("rows", "two", "rows must be a positive integer, got 'two'"),
+        ("target_s", {"0": 1.0}, "a width of target_s must be a positive integer, got '0'"),
+        ("drafter_s", True, "drafter_s must be a number, got True"),
+    ],
+)
+def test_a_damaged_calibration_is_named_and_measured_again(pair, tmp_path, field, value, message):
+    """A calibration file with a NaN, an empty table or a negative scale was used as it
+    stood: the decode weighed NaN costs and wrote NaN back, or failed naming no file. Each
+    is refused when read, named in a warning, measured again and replaced, and the decode
+    runs on the new costs."""
+    config = decoding.DecodeConfig(verification="greedy", max_new_tokens=4, max_draft=2)
+    calibrate = functools.partial(
+        GoodputController.calibrate, *pair, config=config, rows=3, folder=tmp_path, repeats=1
+    )
+    (path,) = calibrate().table and tmp_path.glob("*.json")
+    data = json.loads(path.read_text())
+    data[field] = value
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=message):
+        goodput_lib.read_costs(path)
+    with pytest.warns(UserWarning, match=f"pass costs {path}: "):
+        controller = calibrate()
+    fresh = controller.costs(3)
+    assert np.isfinite(fresh.drafter_s) and fresh.round_scale == 1.0 and fresh.target_s
+    assert PassCosts.from_json(json.loads(path.read_text())) == fresh
+    out = decoding.speculative_decode(
+        *pair, PROMPTS, config=config, policy=decoding.Goodput(), costs=controller,
+        prompt_width=WIDTH,
+    )  # fmt: skip
+    assert np.all(np.isfinite(out.round_costs.round_s)) and out.num_tokens == 12
+    controller.save()
+    kept = goodput_lib.read_costs(path)
+    assert np.isfinite(kept.round_overhead_s) and kept.round_scale > 0
+
+
+def test_a_cost_table_file_names_what_is_wrong(tmp_path):
+    path = tmp_path / "costs.json"
+    for body, message in [
+        ("[]", "expected an object mapping batch rows to pass costs"),
+        (json.dumps({"3": MIXED.to_json() | {"rows": 2}}), "the costs under '3' are for 2 rows"),
+        (json.dumps({"3": MIXED.to_json() | {"drafter_s": None}}), "drafter_s must be a number"),
+    ]:
+        path.write_text(body)
+        with pytest.raises(ValueError, match=f"pass costs {path}: {message}"):
+            GoodputController.load(path)
+    GoodputController([MIXED, CHEAP.__class__(**{**vars(CHEAP), "rows": 2})]).save(path)
+    loaded = GoodputController.load(path)
+    assert loaded.table == {3: MIXED, 2: dataclasses.replace(CHEAP, rows=2)}
+    with pytest.raises(
+        ValueError, match=r"no pass costs for batches of 5 rows \(it has \[2, 3\]\)"
+    ):
+        loaded.costs(5)
+    with pytest.raises(ValueError, match="no calibration file for batches of"):
+        loaded.save()
 
 
 def _fit_reference(calls, *, memory, ridge, scale=1.0):
@@ -689,13 +756,21 @@ def test_a_measured_overhead_turns_drafting_into_skipping():
     assert bool(P.should_skip(corrected, state, active, 8))
 
 
+def _calibrated_as(monkeypatch, costs):
+    """``GoodputController.calibrate`` returning ``costs`` (corrected as calibrated costs are)."""
+    monkeypatch.setattr(
+        GoodputController, "calibrate", classmethod(lambda cls, *a, **k: cls(costs))
+    )
+
+
 def test_calibrated_costs_are_corrected_and_given_ones_kept(pair, want, monkeypatch):
-    """With costs calibrated here, the decoder corrects them from its timed calls (the tiny
-    pair's rounds take milliseconds, not the seconds claimed, so the costs fall to the
-    floor), in one compiled program; costs the caller gives stay as they are unless asked."""
-    monkeypatch.setattr(costs_lib, "calibrate", lambda *a, **k: CHEAP)
+    """With costs calibrated here, or a controller that corrects, the decoder corrects them
+    from its timed calls (the tiny pair's rounds take milliseconds, not the seconds
+    claimed, so the costs fall to the floor), in one compiled program; ``PassCosts`` the
+    caller gives stay as they are."""
+    _calibrated_as(monkeypatch, CHEAP)
     config = decoding.DecodeConfig(verification="greedy", max_new_tokens=MAX_NEW, max_draft=5)
-    base = np.asarray(CHEAP.round_costs(decoding.resolved_config(
+    base = np.asarray(CHEAP.round_costs(resolved_config(
         config, *pair, decoding.Goodput())).round_s)  # fmt: skip
     programs = decoding.Programs()
     run = lambda **kw: decoding.speculative_decode(  # noqa: E731
@@ -708,27 +783,38 @@ def test_calibrated_costs_are_corrected_and_given_ones_kept(pair, want, monkeypa
     corrected = run()
     assert programs.compiled == compiled  # the corrections are traced values
     np.testing.assert_allclose(corrected.round_costs.round_s, 0.5 * base, rtol=1e-5)
-    asked = run(costs=CHEAP, correct_costs=True)
+    held = GoodputController(CHEAP)
+    asked = run(costs=held)
     np.testing.assert_allclose(asked.round_costs.round_s, 0.5 * base, rtol=1e-5)
-    for out in (given, corrected, asked):
+    assert held.table[3].round_overhead_s < 0 and held.table[3].drafting  # learnt, kept
+    fixed = run(costs=GoodputController(CHEAP, correct=False))
+    np.testing.assert_allclose(fixed.round_costs.round_s, base, rtol=1e-6)
+    for out in (given, corrected, asked, fixed):
         for got, ref in zip(out.tokens, want.tokens, strict=True):
             np.testing.assert_array_equal(got, ref)
 
 
 def test_learnt_overheads_are_kept_with_the_calibration(pair, tmp_path):
     config = decoding.DecodeConfig(verification="greedy", max_draft=2, max_skip=1)
-    first = costs_lib.calibrate(*pair, rows=2, config=config, folder=tmp_path, repeats=1)
+    calibrate = functools.partial(
+        GoodputController.calibrate, *pair, config=config, rows=2, folder=tmp_path, repeats=1
+    )
+    controller = calibrate()
+    first = controller.costs(2)
     assert (first.round_overhead_s, first.step_overhead_s) == (0.0, 0.0)
     path = costs_lib.cache_path(*pair, rows=2, config=config, folder=tmp_path)
     assert path.is_file()
     base = first.round_costs(config, overhead=False)
-    tracker = costs_lib.CostTracker(base)
     passes = np.asarray(base.round_s)
-    tracker.observe_rounds(float(passes[[1, 2]].sum()) + 2 * 0.3, [1, 2])
-    tracker.observe_steps(3 * float(base.skip_s) + 3 * 0.05, 3)
-    kept = costs_lib.remember(path, tracker)
-    assert kept is not None
-    again = costs_lib.calibrate(*pair, rows=2, config=config, folder=tmp_path, repeats=1)
+    run = controller.begin(2, config, temperature=0.0)
+    run.observe("rounds", float(passes[[1, 2]].sum()) + 2 * 0.3, [1, 2], first=False)
+    run.observe("rounds", 100.0, [1], first=True)  # a first execution is not timed
+    run.observe("steps", 3 * float(base.skip_s) + 3 * 0.05, 3, first=False)
+    run.finish(0.0, np.zeros(3))
+    assert json.loads(path.read_text())["round_overhead_s"] == 0.0  # not saved yet
+    controller.save()
+    kept = controller.costs(2)
+    again = calibrate().costs(2)
     assert again == kept and again.target_s == first.target_s  # read, not measured again
     np.testing.assert_allclose([again.round_overhead_s, again.step_overhead_s], [0.3, 0.05])
     np.testing.assert_allclose(
@@ -755,7 +841,6 @@ def test_learnt_overheads_are_kept_with_the_calibration(pair, tmp_path):
     del data["round_overhead_s"], data["step_overhead_s"], data["round_scale"]
     read = PassCosts.from_json(data)
     assert (read.round_overhead_s, read.round_scale) == (0.0, 1.0)
-    assert costs_lib.remember(tmp_path / "missing.json", tracker) is None
 
 
 def test_the_plain_step_is_measured_once_when_the_decode_never_skips(pair, want, monkeypatch):
@@ -765,7 +850,7 @@ def test_the_plain_step_is_measured_once_when_the_decode_never_skips(pair, want,
     not count as a losing measurement, so drafting goes on after it). A program's first
     execution is not timed, so with programs never run before the probe runs twice. Costs
     the caller gives are not corrected, so nothing is probed. All stay exact."""
-    from jaxcert.decoding import api
+    from jaxcert.decoding import host
 
     calls = []
 
@@ -774,9 +859,9 @@ def test_the_plain_step_is_measured_once_when_the_decode_never_skips(pair, want,
         calls.append((losing, ran))
         return state, ran
 
-    plain_steps = api._plain_steps
-    monkeypatch.setattr(api, "_plain_steps", spy)
-    monkeypatch.setattr(costs_lib, "calibrate", lambda *a, **k: CHEAP)
+    plain_steps = host.plain_steps
+    monkeypatch.setattr(host, "plain_steps", spy)
+    _calibrated_as(monkeypatch, CHEAP)
     config = decoding.DecodeConfig(
         verification="greedy", max_new_tokens=MAX_NEW, max_draft=5, max_skip=2
     )
@@ -901,7 +986,7 @@ def test_past_drafting_decays_caps_and_round_trips():
         {"emitted": 1.0, "rounds": "12"},
     ):
         broken = json.loads(json.dumps(costs.to_json() | {"drafting": {"greedy": bad}}))
-        with pytest.raises(ValueError, match="malformed pass costs"):
+        with pytest.raises(ValueError, match="malformed pass costs|drafting (rounds|counts)"):
             PassCosts.from_json(broken)
     assert costs_lib.sampling_mode(0.0) == "greedy" and costs_lib.sampling_mode(0.7) == "sampling"
 
@@ -914,7 +999,7 @@ SPLIT = PassCosts(rows=3, target_s={1: 1.0, 2: 1.5, 8: 2.0}, drafter_s=0.05)
 def test_a_decode_starts_from_what_earlier_decodes_drafting_measured(
     pair, want, tmp_path, monkeypatch
 ):
-    """End to end, with costs calibrated here: a kept prior that says drafting loses makes
+    """End to end, with a controller that corrects: a kept prior that says drafting loses makes
     the next greedy decode run as target-only decoding (its first round would skip, and
     that loss of 3 row-rounds reaches ``patience``): the drafter never reads the prompts,
     the output is target-only greedy's, every round is recorded as a plain one, and the
@@ -924,12 +1009,10 @@ def test_a_decode_starts_from_what_earlier_decodes_drafting_measured(
     sampling mode."""
     from jaxcert.decoding import loop
 
-    monkeypatch.setenv("JAXCERT_CACHE", str(tmp_path))
     config = decoding.DecodeConfig(
         verification="greedy", max_new_tokens=MAX_NEW, max_draft=5, max_skip=2
     )
-    resolved = decoding.resolved_config(config, *pair, decoding.Goodput())
-    path = costs_lib.cache_path(*pair, rows=3, config=resolved.shape_only())
+    resolved = resolved_config(config, *pair, decoding.Goodput())
     depths = SPLIT.round_costs(resolved).round_s.shape[0]
     rounds = np.zeros(depths)
     rounds[1] = 3.0
@@ -938,16 +1021,15 @@ def test_a_decode_starts_from_what_earlier_decodes_drafting_measured(
     run = lambda policy=default, **kw: decoding.speculative_decode(  # noqa: E731
         *pair, PROMPTS, config=config, policy=policy, prompt_width=WIDTH, **kw
     )  # fmt: skip
-    path.parent.mkdir(parents=True)
-    path.write_text(json.dumps(dataclasses.replace(SPLIT, drafting={"greedy": losing}).to_json()))
+    controller = GoodputController(dataclasses.replace(SPLIT, drafting={"greedy": losing}))
     programs = decoding.Programs()
-    out = run(programs=programs)
+    out = run(programs=programs, costs=controller)
     for got, ref in zip(out.tokens, want.tokens, strict=True):
         np.testing.assert_array_equal(got, ref)
     assert not programs.of(loop.prefill) and programs.of(loop.prefill_target)
     assert not np.any(out.stats.drafted) and np.all(out.stats.emitted == out.stats.active)
     np.testing.assert_array_equal(out.stats.active.sum(axis=0), [len(t) for t in out.tokens])
-    kept = PassCosts.from_json(json.loads(path.read_text())).drafting
+    kept = controller.costs(3).drafting
     assert set(kept) == {"greedy"}
     np.testing.assert_allclose(kept["greedy"].rounds, rounds / 2)
     np.testing.assert_allclose(kept["greedy"].emitted, 1.5)
@@ -956,9 +1038,8 @@ def test_a_decode_starts_from_what_earlier_decodes_drafting_measured(
     # runs the programs once: a program's first execution is not timed, and the plain
     # steps' timing is what rules drafting back in.)
     for _ in range(2):
-        prior = dataclasses.replace(SPLIT, drafting={"greedy": losing})
-        path.write_text(json.dumps(prior.to_json()))
-        out = run(decoding.Goodput(patience=4), programs=programs)
+        controller = GoodputController(dataclasses.replace(SPLIT, drafting={"greedy": losing}))
+        out = run(decoding.Goodput(patience=4), programs=programs, costs=controller)
     for got, ref in zip(out.tokens, want.tokens, strict=True):
         np.testing.assert_array_equal(got, ref)
     assert programs.of(loop.prefill)
@@ -966,18 +1047,18 @@ def test_a_decode_starts_from_what_earlier_decodes_drafting_measured(
     assert not drafted[0] and drafted.any()
     # What is kept: the prior halved plus this decode's own drafting (its rows' counts
     # less the prior they started with).
-    kept = PassCosts.from_json(json.loads(path.read_text())).drafting["greedy"]
+    kept = controller.costs(3).drafting["greedy"]
     want_kept = losing.then(*_drafting_of(out.stats, depths), rows=3)
     np.testing.assert_allclose(kept.rounds, want_kept.rounds, rtol=1e-5)
     np.testing.assert_allclose(kept.emitted, want_kept.emitted, rtol=1e-5)
     # No prior: the first round drafts, and the decode's drafting is kept.
-    path.write_text(json.dumps(SPLIT.to_json()))
-    out = run()
+    controller = GoodputController(SPLIT)
+    out = run(costs=controller)
     for got, ref in zip(out.tokens, want.tokens, strict=True):
         np.testing.assert_array_equal(got, ref)
     drafted = out.stats.active & (out.stats.drafted > 0)
     assert drafted[0].all()
-    kept = PassCosts.from_json(json.loads(path.read_text())).drafting["greedy"]
+    kept = controller.costs(3).drafting["greedy"]
     assert 0 < kept.weight <= 3
     emitted, real = _drafting_of(out.stats, depths)
     scale = min(1.0, 3 / real.sum())
@@ -988,11 +1069,11 @@ def test_a_decode_starts_from_what_earlier_decodes_drafting_measured(
 def _drafting_of(stats, depths):
     """``(emitted, [depths] row-rounds by depth)`` of a decode's drafting rounds, from its
     statistics: every active row of a round that drafted, at the batch's depth, with its
-    accepted drafts and the target's token (uncut by the budget, as the policy counts)."""
+    emitted tokens."""
     depth = np.where(stats.active, stats.drafted, 0).max(axis=1)  # [R] the batch's
     took = stats.active & (depth[:, None] > 0)  # [R, B] row-rounds that paid a round
     rounds = np.bincount(np.broadcast_to(depth[:, None], took.shape)[took], minlength=depths)
-    emitted = np.where(took, stats.accepted + 1, 0).sum()  # as the policy counts them
+    emitted = np.where(took, stats.emitted, 0).sum()  # what an end token or budget let through
     return float(emitted), rounds.astype(np.float64)
 
 
@@ -1156,3 +1237,30 @@ def test_match_counts_and_their_update():
     np.testing.assert_allclose(
         new.match_tested, np.where(keep, fade * 1.0 + want_tries, 1.0), rtol=1e-6
     )
+
+
+def test_the_kept_drafting_counts_only_emitted_tokens(pair):
+    """With the drafter = the target (every draft accepted), ``K = 5``, 32 new tokens and an
+    end token at row 2's 8th token, rows' last rounds verify more than an end token or the
+    budget let through: the evidence kept for the next decode counted ``accepted + 1`` (48
+    tokens in 14 row-rounds kept where 45 were emitted). It counts what was emitted."""
+    target = pair[0]
+    eos = int(decoding.target_decode(target, PROMPTS, max_new_tokens=32).tokens[2][7])
+    config = decoding.DecodeConfig(
+        verification="greedy", max_new_tokens=32, max_draft=5, eos_ids=(eos,), max_skip=2
+    )
+    controller = GoodputController(CHEAP)
+    out = decoding.speculative_decode(
+        target, target, PROMPTS, config=config, policy=decoding.Goodput(), costs=controller
+    )
+    lengths = [len(t) for t in out.tokens]
+    assert lengths[2] == 8  # cut by the end token
+    st = out.stats
+    depth = np.where(st.active, st.drafted, 0).max(axis=1)
+    took = st.active & (depth[:, None] > 0)  # the drafting rounds' row-rounds
+    kept = controller.costs(3).drafting["greedy"]
+    emitted, rounds = int(np.where(took, st.emitted, 0).sum()), int(took.sum())
+    assert emitted < int(np.where(took, st.accepted + 1, 0).sum())  # tokens were cut
+    scale = min(1.0, 3 / rounds)  # the kept evidence never exceeds one round of the batch
+    np.testing.assert_allclose(kept.emitted, emitted * scale, rtol=1e-6)
+    np.testing.assert_allclose(kept.weight, rounds * scale, rtol=1e-6)

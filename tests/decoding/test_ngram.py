@@ -17,6 +17,7 @@ from jaxcert.decoding.ngram import (
     match_reference,
     parse_ngram,
 )
+from jaxcert.decoding.pairing import resolved_config
 
 V = CONFIG.vocab_size
 
@@ -192,7 +193,7 @@ def test_goodput_reads_the_lookup_before_every_round_whatever_the_past_says(targ
         verification="greedy", max_new_tokens=MAX_NEW, max_draft=6, max_skip=2
     )
     drafter = NgramDrafter(3)
-    resolved = decoding.resolved_config(config, target, drafter, decoding.Goodput())
+    resolved = resolved_config(config, target, drafter, decoding.Goodput())
     free = PassCosts(rows=3, target_s={1: 1.0, 2: 1.2, 8: 2.0}, drafter_s=0.0)
     rounds = np.zeros(free.round_costs(resolved).round_s.shape[0])
     rounds[1] = 3.0
@@ -202,7 +203,7 @@ def test_goodput_reads_the_lookup_before_every_round_whatever_the_past_says(targ
         programs = decoding.Programs()
         out = decoding.speculative_decode(
             target, drafter, PROMPTS, config=config, policy=decoding.Goodput(), costs=costs,
-            correct_costs=False, prompt_width=WIDTH, programs=programs,
+            prompt_width=WIDTH, programs=programs,
         )  # fmt: skip
         for got, ref in zip(out.tokens, want.tokens, strict=True):
             np.testing.assert_array_equal(got, ref)

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from jaxcert import decoding
+from jaxcert.base.programs import default_programs
 
 pytestmark = pytest.mark.real
 
@@ -25,7 +26,7 @@ def test_greedy_speculative_equals_target_on_a_real_vocabulary(qwen, monkeypatch
     from jaxcert import models
 
     monkeypatch.setattr(
-        decoding.default_programs(), "compiler_options", {}
+        default_programs(), "compiler_options", {}
     )  # optimised code for a real model
 
     lm, prompt = qwen

@@ -17,6 +17,7 @@ import pytest
 from tiny_decoding import PROMPTS
 
 from jaxcert import decoding
+from jaxcert.base.programs import default_programs
 
 
 def _maps() -> int:
@@ -70,7 +71,7 @@ def _run(target, drafter, config):
 @pytest.mark.slow  # a minute: runs in CI (--run-slow)
 def test_a_sweep_compiles_a_bounded_number_of_programs_with_flat_memory(target, drafters):
     configs = _configs()
-    before = decoding.default_programs().compiled
+    before = default_programs().compiled
     warm = configs[:60]
     for config in warm:
         out = _run(target, drafters["similar"], config)
@@ -78,12 +79,12 @@ def test_a_sweep_compiles_a_bounded_number_of_programs_with_flat_memory(target, 
         for row in out.tokens:
             assert 1 <= len(row) <= config[1]
             assert not any(t in config[2] for t in row[:-1])
-    compiled_warm = decoding.default_programs().compiled - before
+    compiled_warm = default_programs().compiled - before
     maps, rss = _maps(), _rss_mb()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     for config in configs[60:]:
         out = _run(target, drafters["similar"], config)
-    compiled = decoding.default_programs().compiled - before
+    compiled = default_programs().compiled - before
     print(f"compiled {compiled}; maps {maps} -> {_maps()}; RSS {rss:.0f} -> {_rss_mb():.0f} MB")
     # Budgets 1-40 fall in 3 buffer buckets (16, 32, 48). Per bucket: prefill and rounds of
     # the greedy and the sampling decoder, the target-only prefill and its greedy and sampled
@@ -97,18 +98,15 @@ def test_a_sweep_compiles_a_bounded_number_of_programs_with_flat_memory(target, 
 def test_compiled_programs_are_bounded(target, drafters, monkeypatch):
     """The cache of compiled decoders evicts the least recently used program beyond
     max_programs (each holds hundreds of memory maps); evicted shapes compile again."""
-    from jaxcert import decoding
 
-    monkeypatch.setattr(decoding.default_programs(), "max_programs", 2)
-    decoding.default_programs().clear()
+    monkeypatch.setattr(default_programs(), "max_programs", 2)
+    default_programs().clear()
     first = _run(target, drafters["similar"], ("greedy", 5, (), 0.0, 1.0, "constant:2"))
     _run(target, drafters["similar"], ("greedy", 20, (), 0.0, 1.0, "constant:2"))
-    assert len(decoding.default_programs()) == 2
-    before = decoding.default_programs().compiled
+    assert len(default_programs()) == 2
+    before = default_programs().compiled
     again = _run(target, drafters["similar"], ("greedy", 5, (), 0.0, 1.0, "constant:2"))
-    assert (
-        decoding.default_programs().compiled - before == 2 and again.compiled == 2
-    )  # it was evicted
+    assert default_programs().compiled - before == 2 and again.compiled == 2  # it was evicted
     for a, b in zip(first.tokens, again.tokens, strict=True):
         np.testing.assert_array_equal(a, b)
 
