@@ -87,3 +87,19 @@ def test_check_options_records_then_refuses_other_options(tmp_path):
         "out was written with other options: o.k (then 1, now 2), sha (then "
         f"'{'a' * 36}..., now '{'b' * 36}...); no"
     )
+
+
+def test_keep_on_error_keeps_what_was_written_elsewhere(tmp_path):
+    path, kept = tmp_path / "certs.parquet", tmp_path / "certs.partial.parquet"
+    path.write_bytes(b"previous")
+    with pytest.raises(KeyboardInterrupt):
+        with folders.atomic_file(path, keep_on_error=kept) as tmp:
+            tmp.write_bytes(b"rows so far")
+            raise KeyboardInterrupt
+    assert path.read_bytes() == b"previous" and kept.read_bytes() == b"rows so far"
+    assert _leftovers(tmp_path) == []
+    kept.unlink()
+    with pytest.raises(RuntimeError):  # nothing written: nothing kept
+        with folders.atomic_file(path, keep_on_error=kept):
+            raise RuntimeError
+    assert not kept.exists() and _leftovers(tmp_path) == []

@@ -100,7 +100,12 @@ def new_folder(
 
 
 @contextlib.contextmanager
-def atomic_file(path: str | os.PathLike, *, fsync: bool = True) -> Iterator[pathlib.Path]:
+def atomic_file(
+    path: str | os.PathLike,
+    *,
+    fsync: bool = True,
+    keep_on_error: str | os.PathLike | None = None,
+) -> Iterator[pathlib.Path]:
     """A new, empty temporary file beside `path` that becomes `path` when the block ends
     without error.
 
@@ -114,6 +119,9 @@ def atomic_file(path: str | os.PathLike, *, fsync: bool = True) -> Iterator[path
     Args:
       path: the file to write; its folder must exist.
       fsync: flush the file to disk before the rename (survives a power cut, not only a kill).
+      keep_on_error: on an error, a non-empty temporary file is renamed to this path (what
+        was written is kept there, e.g. the rows computed before a failure) instead of
+        being removed; `path` is still left as it was.
 
     Raises:
       OSError: the temporary file cannot be created, written or renamed (``path`` unchanged).
@@ -135,6 +143,10 @@ def atomic_file(path: str | os.PathLike, *, fsync: bool = True) -> Iterator[path
             finally:
                 os.close(fd)
         os.replace(tmp, path)
+    except BaseException:
+        if keep_on_error is not None and tmp.exists() and tmp.stat().st_size:
+            os.replace(tmp, keep_on_error)
+        raise
     finally:
         tmp.unlink(missing_ok=True)
 

@@ -6,7 +6,7 @@ Layout of an output folder::
   out/positions.parquet/             a Parquet dataset: one file per shard
       part-00000.parquet             every row of a prompt is in one shard
       part-00001.parquet
-      .part-00002.parquet.tmp        a shard being written (hidden; ignored by readers)
+      .part-00002.parquet.*.tmp      a shard being written (hidden; ignored by readers)
 
 ``pyarrow.parquet.read_table(out / "positions.parquet")`` (or ``pandas.read_parquet``, if
 installed) and :func:`read_positions` (sorted by prompt, then position) read the dataset.
@@ -37,6 +37,8 @@ from collections.abc import Callable, Mapping
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from jaxcert.base.folders import atomic_file, refuse_other_options
 
 __all__ = [
     "OutputExists",
@@ -135,17 +137,13 @@ def _jsonable(value):
 
 
 def _write_atomic(path: pathlib.Path, data: bytes | Callable) -> None:
-    """Writes ``data`` (bytes, or a function writing to a binary file) to a hidden
-    temporary file beside ``path``, flushes it to disk and renames it to ``path``."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
+    """Writes ``data`` (bytes, or a function writing to a binary file) to ``path`` with
+    :func:`jaxcert.base.folders.atomic_file` (a hidden ``.*.tmp`` file, fsync, rename)."""
+    with atomic_file(path) as tmp, open(tmp, "wb") as f:
         if callable(data):
             data(f)
         else:
             f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _shard_index(name: str) -> int | None:
@@ -274,22 +272,13 @@ class ShardWriter:
             raise ValueError(f"{self.manifest_path} is corrupt ({err}); use --overwrite") from None
         if not isinstance(manifest, dict) or not isinstance(manifest.get("fingerprint"), dict):
             raise ValueError(f"{self.manifest_path} is corrupt (no fingerprint); use --overwrite")
-        if manifest.get("fingerprint") != self.fingerprint:
-            old = manifest["fingerprint"]
-            diff = sorted(
-                k for k in set(self.fingerprint) | set(old) if self.fingerprint.get(k) != old.get(k)
-            )
-            if "options" in diff and isinstance(old.get("options"), dict):
-                mine = self.fingerprint.get("options", {})
-                diff += [
-                    f"options.{k}"
-                    for k in sorted(set(mine) | set(old["options"]))
-                    if mine.get(k) != old["options"].get(k)
-                ]
-            raise ValueError(
-                f"cannot resume {self.out}: it was run with other settings "
-                f"({', '.join(diff)} differ); rerun with the same options, or --overwrite"
-            )
+        try:
+            refuse_other_options(
+                self.out, manifest["fingerprint"], self.fingerprint,
+                advice="rerun with the same options, or --overwrite",
+            )  # fmt: skip
+        except ValueError as err:
+            raise ValueError(f"cannot resume: {err}") from None
         self._created = True
         self.resumed_status = str(manifest.get("status"))
         if not self.dataset.is_dir():

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from jaxcert.base import prompts
+from jaxcert.base.folders import refuse_other_options
 from jaxcert.base.validate import check_int
 from jaxcert.core import rules as rules_lib
 from jaxcert.training import head_data
@@ -297,13 +298,9 @@ def _check_run_key(folder: pathlib.Path, key: dict[str, Any]) -> None:
     """
     path = folder / "run.json"
     if path.is_file():
-        saved = json.loads(path.read_text())
-        differ = sorted(k for k in key.keys() | saved.keys() if saved.get(k) != key.get(k))
-        if differ:
-            raise ValueError(
-                f"{folder} holds a head trained for another run (differs in {', '.join(differ)}); "
-                "move it away or choose another --out"
-            )
+        refuse_other_options(
+            folder, json.loads(path.read_text()), key, advice="it holds a head trained for another run: move it away or choose another --out",
+        )
     elif (folder / "progress.json").is_file() or (folder / "done.json").is_file():
         raise ValueError(
             f"{folder} holds a head without a run key (an earlier version's); move it away or "
