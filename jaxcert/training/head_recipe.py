@@ -298,9 +298,8 @@ def _check_run_key(folder: pathlib.Path, key: dict[str, Any]) -> None:
     """
     path = folder / "run.json"
     if path.is_file():
-        refuse_other_options(
-            folder, json.loads(path.read_text()), key, advice="it holds a head trained for another run: move it away or choose another --out",
-        )
+        advice = "it holds a head trained for another run: move it away or choose another --out"
+        refuse_other_options(folder, json.loads(path.read_text()), key, advice=advice)
     elif (folder / "progress.json").is_file() or (folder / "done.json").is_file():
         raise ValueError(
             f"{folder} holds a head without a run key (an earlier version's); move it away or "
