@@ -284,3 +284,12 @@ def test_prefill_pieces_pad_below_the_narrowest_width():
         assert all(w in widths and 0 < c <= w for w, c in pieces)
         assert sum(w for w, _ in pieces) - n < 16
         assert all(c == w for w, c in pieces[:-1])  # only the last piece is padded
+
+
+def test_counts_are_singular_or_plural():
+    from jaxcert.base.tables import counted
+
+    assert counted(1, "prompt") == "1 prompt"
+    assert [counted(n, "prompt") for n in (0, 2)] == ["0 prompts", "2 prompts"]
+    assert counted(1024, "position", digits=",") == "1,024 positions"
+    assert counted(3, "entry", "entries") == "3 entries"

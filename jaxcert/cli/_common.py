@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import pathlib
 
+from jaxcert.base.tables import counted
 from jaxcert.base.validate import parsed_by
 from jaxcert.cli.argtypes import non_negative, positive
 
@@ -141,7 +142,7 @@ def describe_drafter(drafter) -> tuple[str, str]:
     spec = getattr(drafter, "spec", None)
     if spec is not None and getattr(drafter, "proposes_tokens", False):
         return spec, "prompt lookup"
-    return drafter.path.name, f"{drafter.config.num_layers} layers"
+    return drafter.path.name, counted(drafter.config.num_layers, "layer")
 
 
 def load_prompt_set(source: str, **kwargs):

@@ -9,6 +9,7 @@ import textwrap
 import time
 from typing import TYPE_CHECKING
 
+from jaxcert.base.tables import counted
 from jaxcert.cli import DEFAULT_RULES, DEFAULT_TARGET
 from jaxcert.cli._common import (
     add_distributed_arguments,
@@ -211,7 +212,8 @@ class _Display:
         self.bar.n = p.prompts_done
         stage = {"compile": "compiling (cached for later runs)"}.get(p.stage, p.stage)
         self.bar.set_description(f"{self.desc} [{stage}]", refresh=False)
-        self.bar.set_postfix_str(f"{p.positions} positions, {rate:.1f} pos/s", refresh=False)
+        self.bar.set_postfix_str(f"{counted(p.positions, 'position')}, {rate:.1f} pos/s",
+                                 refresh=False)  # fmt: skip
         self.bar.refresh()
 
     def close(self) -> None:
@@ -267,13 +269,15 @@ def _run(args, dist: distributed.Distributed, peers: distributed.Peers) -> int:
     if complete and run.usable <= done:
         return _already_complete(args.out, tag, dist, peers)
     if done:
-        print(f"{tag} resuming: {len(done)} prompts already in {args.out}", file=sys.stderr)
+        print(f"{tag} resuming: {counted(len(done), 'prompt')} already in {args.out}",
+              file=sys.stderr)  # fmt: skip
     info = _certify(run, writer, display, dist, tag) | {"prompts_resumed": len(done)}
     writer.close("running", info=info)  # "complete" only once every part is in
     if multi:
         merged = peers.merge(writer, fingerprint, info)
         if merged is None:  # not process 0: its part is merged
-            print(f"{tag} {run.info['positions']} positions of {len(run.order)} prompts sent "
+            print(f"{tag} {counted(run.info['positions'], 'position')} of "
+                  f"{counted(len(run.order), 'prompt')} sent "
                   "to process 0, which wrote the tables", file=sys.stderr)  # fmt: skip
             return 0
         info = merged
@@ -313,8 +317,9 @@ def _load(args, mesh, tag):
 
 def _say_loaded(tag, lm, prompt_set, load_s, meta, device_mesh, dist) -> None:
     print(
-        f"{tag} target {lm.path.name}: {lm.config.num_layers} layers, "
-        f"V={lm.config.vocab_size}, loaded in {load_s:.1f} s; {len(prompt_set)} prompts, "
+        f"{tag} target {lm.path.name}: {counted(lm.config.num_layers, 'layer')}, "
+        f"V={lm.config.vocab_size}, loaded in {load_s:.1f} s; "
+        f"{counted(len(prompt_set), 'prompt')}, "
         f"rules: {', '.join(meta['rules'])}; mesh {mesh_lib.describe(device_mesh)}"
         + (f"; process {dist.process_index} of {dist.process_count}"
            if dist.process_count > 1 else ""),
@@ -364,9 +369,10 @@ def _certify(run, writer, display: _Display, dist, tag) -> dict:
         if writer.rows_written and dist.is_main:  # everything computed is kept
             status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
             print(
-                f"{tag} {status}; {writer.rows_written} positions of "
-                f"{len(writer.done_prompts)} prompts are saved in {writer.out} (--resume "
-                "continues)",
+                f"{tag} {status}; {counted(writer.rows_written, 'position')} of "
+                f"{counted(len(writer.done_prompts), 'prompt')} "
+                f"{'is' if len(writer.done_prompts) == 1 else 'are'} saved in {writer.out} "
+                "(--resume continues)",
                 file=sys.stderr,
             )
         raise

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from jaxcert.base.tables import counted
 from jaxcert.cli import DEFAULT_DECODE_TARGET, DEFAULT_DRAFTER
 from jaxcert.cli._common import (
     add_mesh_argument,
@@ -233,9 +234,10 @@ def run(args) -> int:
     encoded = _encode(args, target, prompt_set)
     d_name, d_what = describe_drafter(drafter)
     print(
-        f"[jaxcert] target {target.path.name} ({target.config.num_layers} layers), drafter "
-        f"{d_name} ({d_what}), V={target.config.vocab_size},"
-        f" loaded in {load_s:.1f} s; {len(encoded)} prompts; policy {policy.spec}, verify "
+        f"[jaxcert] target {target.path.name} ({counted(target.config.num_layers, 'layer')}), "
+        f"drafter {d_name} ({d_what}), V={target.config.vocab_size},"
+        f" loaded in {load_s:.1f} s; {counted(len(encoded), 'prompt')}; policy {policy.spec}, "
+        "verify "
         f"{config.verification.spec}, T={args.temperature}; mesh "
         f"{mesh_lib.describe(device_mesh)}",
         file=sys.stderr,

@@ -33,6 +33,8 @@ import socket
 import threading
 import time
 
+from jaxcert.base.tables import counted
+
 __all__ = [
     "Distributed",
     "Peers",
@@ -729,7 +731,8 @@ class Peers:
         if failures:
             writer.close("incomplete", info=info, error="; ".join(failures))
             raise ProcessFailed(
-                f"{'; '.join(failures)}. {len(writer.done_prompts)} prompts are saved in "
+                f"{'; '.join(failures)}. {counted(len(writer.done_prompts), 'prompt')} "
+                f"{'is' if len(writer.done_prompts) == 1 else 'are'} saved in "
                 f"{writer.out} (manifest: incomplete); run again with --resume to certify "
                 "the rest"
             )

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pyarrow as pa
 
-from jaxcert.base.tables import markdown_table
+from jaxcert.base.tables import counted, markdown_table
 from jaxcert.core import bounds
 
 if TYPE_CHECKING:  # matplotlib is imported by the plotting functions only
@@ -316,8 +316,8 @@ def write_report(
     write_csv(out / "summary.csv", summary)
     write_csv(out / "run_lengths.csv", runs)
     text = (
-        f"## Positions: {table.num_rows} ({info['prompts_used']} prompts x up to "
-        f"{options.steps} greedy steps)\n\n{markdown_table(summary)}\n\n"
+        f"## Positions: {table.num_rows} ({counted(info['prompts_used'], 'prompt')} x up to "
+        f"{counted(options.steps, 'greedy step')})\n\n{markdown_table(summary)}\n\n"
         f"## Mean certified run length (positions) at uniform KL budget eps\n\n"
         f"{markdown_table(runs, digits=2)}\n"
     )

@@ -39,6 +39,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from jaxcert.base.folders import atomic_file, refuse_other_options
+from jaxcert.base.tables import counted
 
 __all__ = [
     "OutputExists",
@@ -403,5 +404,8 @@ def finish(writer: ShardWriter, usable, info: dict) -> None:
     missing = sorted(set(usable) - writer.done_prompts)
     if missing:  # every part arrived, yet prompts are missing: never call this complete
         writer.close("incomplete", info=info, missing_prompts=missing)
-        raise ValueError(f"{len(missing)} prompts are missing from {writer.out} after the merge")
+        raise ValueError(
+            f"{counted(len(missing), 'prompt')} {'is' if len(missing) == 1 else 'are'} missing "
+            f"from {writer.out} after the merge"
+        )
     writer.close("complete", info=info)

@@ -31,6 +31,7 @@ import numpy as np
 
 from jaxcert.base import prompts
 from jaxcert.base.folders import refuse_other_options
+from jaxcert.base.tables import counted
 from jaxcert.base.validate import check_int
 from jaxcert.core import rules as rules_lib
 from jaxcert.training import head_data
@@ -158,7 +159,8 @@ def sequences(
     n_train = len(fit) - settings.heldout
     if n_train < 1:
         raise ValueError(
-            f"{len(fit)} prompts fit {settings.length} tokens: too few to hold out "
+            f"{counted(len(fit), 'prompt')} fit{'s' if len(fit) == 1 else ''} "
+            f"{settings.length} tokens: too few to hold out "
             f"{settings.heldout} (raise --max-prompts or lower --heldout-sequences)"
         )
     kw: dict[str, Any] = {"length": settings.length, "cache": cache, "progress": progress}
@@ -180,7 +182,9 @@ def split_sequences(
       ValueError: fewer than ``heldout + 1`` sequences.
     """
     if len(seqs) <= heldout:
-        raise ValueError(f"{len(seqs)} sequences cannot hold out {heldout} (raise --max-prompts)")
+        raise ValueError(
+            f"{counted(len(seqs), 'sequence')} cannot hold out {heldout} (raise --max-prompts)"
+        )
     return list(seqs[: len(seqs) - heldout]), list(seqs[len(seqs) - heldout :])
 
 
