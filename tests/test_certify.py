@@ -293,3 +293,15 @@ def test_counts_are_singular_or_plural():
     assert [counted(n, "prompt") for n in (0, 2)] == ["0 prompts", "2 prompts"]
     assert counted(1024, "position", digits=",") == "1,024 positions"
     assert counted(3, "entry", "entries") == "3 entries"
+
+
+def test_cli_says_one_prompt_not_one_prompts(checkpoint, tmp_path, capsys):
+    one = tmp_path / "one.jsonl"
+    one.write_text(json.dumps({"id": "a", "prompt": "the cat sat"}) + "\n")
+    out = tmp_path / "out"
+    args = ["certify", "--target", str(checkpoint), "--prompts", str(one), "--rules", "greedy",
+            "--steps", "1", "--no-plots", "--out", str(out)]  # fmt: skip
+    assert cli.main(args) == 0
+    captured = capsys.readouterr()
+    assert "loaded in" in captured.err and "; 1 prompt, rules: greedy" in captured.err
+    assert "## Positions: 1 (1 prompt x up to 1 greedy step)" in (out / "summary.md").read_text()

@@ -230,3 +230,46 @@ def test_resume_trusts_the_shards_not_the_manifests_word(
     relative = _args(checkpoint, many_prompts.name, out, "--shard-rows", "12", "--resume")
     assert cli.main(relative) == 0
     assert "already complete" in capsys.readouterr().err
+
+
+def test_the_first_shard_is_on_disk_once_the_first_prompt_is_done(
+    checkpoint, many_prompts, uninterrupted, tmp_path, monkeypatch
+):
+    """A short run with the default shard sizes wrote nothing before it ended (a kill -9
+    lost it all): the first prompt's rows are now written at once."""
+    out = tmp_path / "run"
+    on_disk, real = [], certify_store.ShardWriter.write
+
+    def write(self, table):
+        real(self, table)
+        on_disk.append(len(list((out / "positions.parquet").glob("part-*.parquet"))))
+
+    monkeypatch.setattr(certify_store.ShardWriter, "write", write)
+    assert cli.main(_args(checkpoint, many_prompts, out, "--shard-seconds", "3600")) == 0
+    assert on_disk == [1] * len(TEXTS)  # from the first finished prompt on
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert [len(s["prompts"]) for s in manifest["shards"]] == [1, len(TEXTS) - 1]
+    assert certify_store.read_positions(out).equals(certify_store.read_positions(uninterrupted))
+
+
+def test_resume_of_a_complete_run_or_with_other_options_loads_no_model(
+    checkpoint, many_prompts, uninterrupted, tmp_path, monkeypatch, capsys
+):
+    import shutil
+
+    from jaxcert import models
+
+    out = tmp_path / "copy"
+    shutil.copytree(uninterrupted, out)
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(models, "load", no_load)
+    assert cli.main(_args(checkpoint, many_prompts, out, "--resume")) == 0
+    err = capsys.readouterr().err
+    assert "is already complete: nothing to resume" in err and "loading target" not in err
+    assert cli.main(_args(checkpoint, many_prompts, out, "--resume", "--steps", "3")) == 2
+    err = capsys.readouterr().err
+    assert "written with other options: options.steps (then 6, now 3)" in err
+    assert "loading target" not in err

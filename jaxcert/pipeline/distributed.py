@@ -655,10 +655,10 @@ class Peers:
 
     def agree(self, writer) -> tuple[set[int], bool]:
         """``(done, complete)`` on every process: the prompts process 0's ``writer`` holds,
-        and whether its manifest said ``complete``."""
+        and whether the run it resumes is complete (``ShardWriter.resumed_complete``)."""
         mine = None
         if self.dist.is_main:
-            complete = writer.resumed_status == "complete"
+            complete = writer.resumed_complete
             mine = {"done": sorted(writer.done_prompts), "complete": complete}
         start = self.start(mine)
         return set(start.get("done", ())), bool(start.get("complete"))

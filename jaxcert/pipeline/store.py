@@ -223,7 +223,9 @@ class ShardWriter:
       resume: continue the run in ``out`` (``done_prompts`` lists what is finished).
       overwrite: remove a previous run's jaxcert files from ``out`` first.
       shard_rows: a shard is written once this many rows are buffered ...
-      shard_seconds: ... or this many seconds after the last shard (bounds what a kill loses).
+      shard_seconds: ... or this many seconds after the last shard (bounds what a kill
+        loses); and the first shard as soon as the first prompt is finished, so a run's
+        folder, manifest and first rows are on disk early however short the run.
 
     Raises:
       OutputExists, ValueError: as :func:`check_output`; also ``resume`` with a different
@@ -251,11 +253,13 @@ class ShardWriter:
         self._rows = 0
         self._last = time.monotonic()
         self._created = False
+        self._flushed = False  # no shard written by this writer yet
         # With overwrite, the previous run is removed only when this one writes its first
         # shard: a run that fails before that leaves the previous one intact.
         self._replace = held and overwrite
         #: the resumed run's manifest status (``complete``, ``failed``, ...), or ``None``.
         self.resumed_status: str | None = None
+        self._manifest_done: set[int] = set()
         if resume and held:
             self._load_for_resume()
 
@@ -282,6 +286,12 @@ class ShardWriter:
             raise ValueError(f"cannot resume: {err}") from None
         self._created = True
         self.resumed_status = str(manifest.get("status"))
+        try:
+            self._manifest_done = {int(i) for i in manifest.get("prompts_done", ())}
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"{self.manifest_path} is corrupt (prompts_done); use --overwrite"
+            ) from None
         if not self.dataset.is_dir():
             return
         for leftover in self.dataset.glob(".*.tmp"):  # a shard cut short by a kill
@@ -304,6 +314,13 @@ class ShardWriter:
             self.shards.append({"file": path.name, "rows": len(column), "prompts": prompts})
 
     @property
+    def resumed_complete(self) -> bool:
+        """Whether the resumed run is finished: its manifest says ``complete`` and its shards
+        hold every prompt the manifest lists (the shards decide: a complete run missing a
+        shard goes on). Known before any model is loaded, since the fingerprint matched."""
+        return self.resumed_status == "complete" and self._manifest_done <= self.done_prompts
+
+    @property
     def done_prompts(self) -> set[int]:
         """Prompt indices held by the shards written so far (resumed ones included)."""
         return {i for s in self.shards for i in s["prompts"]}
@@ -315,11 +332,13 @@ class ShardWriter:
     # -- writing ----------------------------------------------------------------------------
 
     def write(self, table: pa.Table) -> None:
-        """Buffers one finished prompt's rows; writes a shard when the buffer is full."""
+        """Buffers one finished prompt's rows; writes a shard at this writer's first prompt,
+        then whenever ``shard_rows`` rows are buffered or ``shard_seconds`` have passed
+        since the last shard."""
         self._buffer.append(table)
         self._rows += table.num_rows
         stale = time.monotonic() - self._last >= self.shard_seconds
-        if self._rows >= self.shard_rows or stale:
+        if self._rows >= self.shard_rows or stale or not self._flushed:
             self.flush()
 
     def flush(self) -> None:
@@ -334,6 +353,7 @@ class ShardWriter:
             self._created = True
             self.write_manifest("running")
         self._write_shard(table, self._next_name())
+        self._flushed = True
         self._buffer, self._rows = [], 0
         self._last = time.monotonic()
         self.write_manifest("running")
