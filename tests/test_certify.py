@@ -304,4 +304,31 @@ def test_cli_says_one_prompt_not_one_prompts(checkpoint, tmp_path, capsys):
     assert cli.main(args) == 0
     captured = capsys.readouterr()
     assert "loaded in" in captured.err and "; 1 prompt, rules: greedy" in captured.err
+    assert "[jaxcert] compiling the certificate programs first" in captured.err
     assert "## Positions: 1 (1 prompt x up to 1 greedy step)" in (out / "summary.md").read_text()
+
+
+_NO_TORCH = """
+import logging, sys
+sys.modules["torch"] = None  # as where PyTorch is not installed
+from jaxcert import cli
+code = cli.main({args!r})
+logging.getLogger("transformers").warning("a real warning still shows")
+sys.exit(code)
+"""
+
+
+def test_transformers_no_pytorch_advice_is_silenced_and_nothing_else(checkpoint, prompt_file):
+    import os
+    import subprocess
+    import sys
+
+    args = ["certify", "--target", str(checkpoint), "--prompts", str(prompt_file),
+            "--max-prompt-tokens", "1", "--out", "unused"]  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", _NO_TORCH.format(args=args)], text=True,
+                          capture_output=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "loading target" in proc.stderr and "no prompt has between 1 and 1" in proc.stderr
+    assert "PyTorch" not in proc.stderr
+    assert "a real warning still shows" in proc.stderr
+    assert not os.path.exists("unused")

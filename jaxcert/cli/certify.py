@@ -277,6 +277,8 @@ def _run(args, dist: distributed.Distributed, peers: distributed.Peers) -> int:
     if done:
         print(f"{tag} resuming: {counted(len(done), 'prompt')} already in {args.out}",
               file=sys.stderr)  # fmt: skip
+    print(f"{tag} compiling the certificate programs first (about a minute for a large model "
+          "on the first run; cached for later runs) ...", file=sys.stderr, flush=True)  # fmt: skip
     info = _certify(run, writer, display, dist, tag) | {"prompts_resumed": len(done)}
     writer.close("running", info=info)  # "complete" only once every part is in
     if multi:
