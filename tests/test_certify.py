@@ -232,7 +232,7 @@ def test_summary_handles_infinite_certificates_and_runs():
     })  # fmt: skip
     (row,) = certify_report.summarize_positions(table, ["cert"])
     assert row["inf_share"] == pytest.approx(0.2)
-    assert row["mean"] == pytest.approx((0.5 + 0.01 + 0.2 + 0.3) / 4)
+    assert row["finite_mean"] == pytest.approx((0.5 + 0.01 + 0.2 + 0.3) / 4)
     assert row["median"] == pytest.approx(0.3)
     (runs,) = certify_report.run_lengths(table, ["cert"], budgets=(0.1, 0.25))
     # eps=0.1: a -> [2, 1, 0], b -> [2, 1]; eps=0.25: a -> [2, 1, 0], b -> [1, 1]... b: 0.2<0.25

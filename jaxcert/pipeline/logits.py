@@ -565,7 +565,7 @@ def summary_markdown(
             text += "Where a certificate is not determined:\n\n" + "\n".join(hints) + "\n\n"
         text += "Statistics over the determined positions:\n\n"
     summary = report.summarize_positions(table, [rule_column(r) for r in rules])
-    return text + report.markdown_table(summary) + "\n"
+    return text + report.markdown_table(summary, blank_none=True) + "\n"
 
 
 def _needed_k(rule, vocab_given: bool) -> str:
