@@ -42,6 +42,7 @@ from jaxcert.models._load import (
     check_same_vocabulary,
     config_of,
     load,
+    model_path,
     read_config,
 )
 from jaxcert.models._weights import LoadedModel
@@ -66,6 +67,7 @@ __all__ = [
     "config_of",
     "decode_step",
     "forward",
+    "model_path",
     "load",
     "load_gguf",
     "load_hf",

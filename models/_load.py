@@ -72,6 +72,17 @@ def read_config(name_or_path: str | os.PathLike) -> ModelConfig:
     return hf_config(path) if kind == "hf" else gguf_config(path)
 
 
+def model_path(name_or_path: str | os.PathLike) -> pathlib.Path:
+    """The checkpoint folder or `.gguf` file that `load` would read (`LoadedModel.path`),
+    without reading weights: an asset name is fetched (downloaded on first use), as `load`
+    would.
+
+    Raises:
+      ValueError: as `load` for names and paths.
+    """
+    return _resolve(name_or_path)[1]
+
+
 def _resolve(name_or_path: str | os.PathLike) -> tuple[str, pathlib.Path]:
     """``("hf" | "gguf", path)`` of a folder, a `.gguf` file or a model asset (fetched).
 

@@ -14,7 +14,6 @@ import mmap
 import os
 import pathlib
 import re
-import secrets
 import struct
 import sys
 import warnings
@@ -29,6 +28,7 @@ import tqdm
 from jax.sharding import Mesh
 
 from jaxcert.base import paths
+from jaxcert.base.folders import atomic_file
 from jaxcert.models._tokenizer import tokenizer_from_gguf
 from jaxcert.models._weights import LoadedModel, hf_layout, model_from_tensors
 from jaxcert.models.config import ModelConfig
@@ -266,7 +266,8 @@ def write_dequantized(
 ) -> None:
     """Dequantises every tensor into a safetensors file at `out`, one tensor in memory at a time.
 
-    Writes `out.tmp-*` first and renames it, so a partial file is never seen under `out`.
+    Writes a hidden `.out.*.tmp` first and renames it, so a partial file is never seen under
+    `out`.
     Tensors get their Hugging Face names (`hf_name`); the header keeps the GGUF metadata and
     tensor names, so a cached load never parses the GGUF file again (6 s for Qwen's vocabulary).
     """
@@ -292,25 +293,18 @@ def write_dequantized(
     blob = json.dumps(header).encode()
     blob += b" " * (-len(blob) % 8)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # honours the umask
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(len(blob).to_bytes(8, "little"))
-            f.write(blob)
-            bar = tqdm.tqdm(
-                reader.tensors,
-                desc=f"dequantising {pathlib.Path(source).name} (once; cached)",
-                unit="tensor",
-                file=sys.stderr,
-                leave=False,
-            )
-            for t in bar:
-                f.write(_dequantize(t, np_dtype, source).tobytes())
-        os.replace(tmp, out)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    with atomic_file(out, fsync=False) as tmp, open(tmp, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little"))
+        f.write(blob)
+        bar = tqdm.tqdm(
+            reader.tensors,
+            desc=f"dequantising {pathlib.Path(source).name} (once; cached)",
+            unit="tensor",
+            file=sys.stderr,
+            leave=False,
+        )
+        for t in bar:
+            f.write(_dequantize(t, np_dtype, source).tobytes())
 
 
 class _SafetensorsFile(Mapping):

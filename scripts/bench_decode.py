@@ -72,6 +72,7 @@ import numpy as np
 
 from jaxcert import decoding, models
 from jaxcert.base import prompts
+from jaxcert.base.folders import atomic_write, refuse_other_options
 from jaxcert.decoding import run_report
 from jaxcert.decoding.config import bucket
 
@@ -532,27 +533,18 @@ class _Checkpoint:
             )
         with self.path.open("rb") as f:
             saved = pickle.load(f)
-        differ = sorted(
-            k
-            for k in self.protocol.keys() | saved["protocol"].keys()
-            if self.protocol.get(k) != saved["protocol"].get(k)
-        )
-        if differ:
-            raise SystemExit(
-                f"--resume: {self.path} was measured with other options: "
-                + ", ".join(
-                    f"{k} (then {saved['protocol'].get(k)!r}, now {self.protocol.get(k)!r})"
-                    for k in differ
-                )
+        try:
+            refuse_other_options(
+                self.path, saved["protocol"], self.protocol, advice="rerun with the same options"
             )
+        except ValueError as err:
+            raise SystemExit(f"--resume: {err}") from None
         return {k: _Runs(**fields) for k, fields in saved["results"].items()}
 
     def save(self, results: dict) -> None:
         plain = {k: vars(runs).copy() for k, runs in results.items()}  # no class of the script
-        partial = self.path.with_suffix(".tmp")
-        with partial.open("wb") as f:
-            pickle.dump({"protocol": self.protocol, "results": plain}, f)
-        partial.replace(self.path)  # atomic: an interrupted save keeps the previous one
+        # atomic: an interrupted save keeps the previous one
+        atomic_write(self.path, pickle.dumps({"protocol": self.protocol, "results": plain}))
 
 
 def _hf_peer(args, encoded, log):

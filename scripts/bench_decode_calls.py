@@ -32,6 +32,7 @@ import numpy as np
 
 from jaxcert import decoding
 from jaxcert.base import prompts
+from jaxcert.base.folders import atomic_write
 from jaxcert.cli._common import (
     check_vocabularies,
     load_drafter,
@@ -176,9 +177,7 @@ def main(argv=None) -> int:
             "excess_s": total_excess(rows),
             "mean_speedup": round(float(np.mean([r["speedup"] for r in rows])), 4),
         }
-        tmp = args.out.with_name(args.out.name + ".tmp")
-        tmp.write_text(json.dumps(record, indent=1))
-        os.replace(tmp, args.out)
+        atomic_write(args.out, json.dumps(record, indent=1))
 
     target_only(encoded[0])  # compile and run each program once, untimed
     speculative(encoded[0])

@@ -21,7 +21,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import sys
 import time
@@ -56,6 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from jaxcert.base.folders import check_options
     from jaxcert.models.eagle import load_head
     from jaxcert.training import head_data
     from jaxcert.training.eagle import train_head_on_records
@@ -63,10 +63,10 @@ def main(argv=None) -> int:
 
     key = {k: str(v) for k, v in vars(args).items() if k not in ("every", "out")}
     args.out.mkdir(parents=True, exist_ok=True)
-    key_path = args.out / "finetune.json"
-    if key_path.is_file() and json.loads(key_path.read_text()) != key:
-        raise SystemExit(f"{args.out} holds a fine-tune with other options; choose another --out")
-    key_path.write_text(json.dumps(key, indent=1))
+    try:  # a fine-tune goes on only with the options it began with
+        check_options(args.out, key, name="finetune.json", advice="choose another --out")
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
     store = head_data.read_store(args.store)
     head = load_head(args.head)
     if tuple(head.taps) != tuple(store.spec.taps):

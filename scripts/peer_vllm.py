@@ -100,9 +100,20 @@ def _load(path: pathlib.Path) -> dict:
 
 
 def _save(path: pathlib.Path, data: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, path)
+    _folders().atomic_write(path, json.dumps(data, indent=1) + "\n")
+
+
+def _folders():
+    """``jaxcert.base.folders`` read from its file (it imports the standard library alone):
+    the ``vllm`` step runs where jaxcert is not installed."""
+    import importlib.util
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "jaxcert" / "base" / "folders.py"
+    spec = importlib.util.spec_from_file_location("_jaxcert_folders", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 # 1. prompts ---------------------------------------------------------------------------

@@ -232,7 +232,7 @@ def test_summary_handles_infinite_certificates_and_runs():
     })  # fmt: skip
     (row,) = certify_report.summarize_positions(table, ["cert"])
     assert row["inf_share"] == pytest.approx(0.2)
-    assert row["mean"] == pytest.approx((0.5 + 0.01 + 0.2 + 0.3) / 4)
+    assert row["finite_mean"] == pytest.approx((0.5 + 0.01 + 0.2 + 0.3) / 4)
     assert row["median"] == pytest.approx(0.3)
     (runs,) = certify_report.run_lengths(table, ["cert"], budgets=(0.1, 0.25))
     # eps=0.1: a -> [2, 1, 0], b -> [2, 1]; eps=0.25: a -> [2, 1, 0], b -> [1, 1]... b: 0.2<0.25
@@ -284,3 +284,51 @@ def test_prefill_pieces_pad_below_the_narrowest_width():
         assert all(w in widths and 0 < c <= w for w, c in pieces)
         assert sum(w for w, _ in pieces) - n < 16
         assert all(c == w for w, c in pieces[:-1])  # only the last piece is padded
+
+
+def test_counts_are_singular_or_plural():
+    from jaxcert.base.tables import counted
+
+    assert counted(1, "prompt") == "1 prompt"
+    assert [counted(n, "prompt") for n in (0, 2)] == ["0 prompts", "2 prompts"]
+    assert counted(1024, "position", digits=",") == "1,024 positions"
+    assert counted(3, "entry", "entries") == "3 entries"
+
+
+def test_cli_says_one_prompt_not_one_prompts(checkpoint, tmp_path, capsys):
+    one = tmp_path / "one.jsonl"
+    one.write_text(json.dumps({"id": "a", "prompt": "the cat sat"}) + "\n")
+    out = tmp_path / "out"
+    args = ["certify", "--target", str(checkpoint), "--prompts", str(one), "--rules", "greedy",
+            "--steps", "1", "--no-plots", "--out", str(out)]  # fmt: skip
+    assert cli.main(args) == 0
+    captured = capsys.readouterr()
+    assert "loaded in" in captured.err and "; 1 prompt, rules: greedy" in captured.err
+    assert "[jaxcert] compiling the certificate programs first" in captured.err
+    assert "## Positions: 1 (1 prompt x up to 1 greedy step)" in (out / "summary.md").read_text()
+
+
+_NO_TORCH = """
+import logging, sys
+sys.modules["torch"] = None  # as where PyTorch is not installed
+from jaxcert import cli
+code = cli.main({args!r})
+logging.getLogger("transformers").warning("a real warning still shows")
+sys.exit(code)
+"""
+
+
+def test_transformers_no_pytorch_advice_is_silenced_and_nothing_else(checkpoint, prompt_file):
+    import os
+    import subprocess
+    import sys
+
+    args = ["certify", "--target", str(checkpoint), "--prompts", str(prompt_file),
+            "--max-prompt-tokens", "1", "--out", "unused"]  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", _NO_TORCH.format(args=args)], text=True,
+                          capture_output=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "loading target" in proc.stderr and "no prompt has between 1 and 1" in proc.stderr
+    assert "PyTorch" not in proc.stderr
+    assert "a real warning still shows" in proc.stderr
+    assert not os.path.exists("unused")

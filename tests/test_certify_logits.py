@@ -328,3 +328,16 @@ def test_a_failure_keeps_what_was_certified_in_the_partial_file(tmp_path):
     assert kept == [(5, partial)] and pq.read_table(partial).num_rows == 5
     assert not (tmp_path / "o" / certify_logits.CERTIFICATES).exists()
     assert not list((tmp_path / "o").glob(".*tmp*"))
+
+
+def test_summary_shows_no_nan_mean_beside_an_infinite_median(tmp_path):
+    """Every additive:0.3 certificate of a uniform row is inf: the summary said mean nan
+    beside median inf; the mean is now of the finite values, blank when there are none."""
+    np.save(tmp_path / "u.npy", np.zeros((4, 48), np.float32))
+    out = tmp_path / "o"
+    argv = ["certify-logits", str(tmp_path / "u.npy"), "--rules", "greedy,additive:0.3",
+            "--out", str(out)]  # fmt: skip
+    assert cli.main(argv) == 0
+    text = (out / "summary.md").read_text()
+    assert "| column | n | finite_mean | median | p5 | inf_share |" in text
+    assert "| cert_additive:0.3 | 4 | | inf | inf | 1.000 |" in text and "nan" not in text

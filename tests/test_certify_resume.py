@@ -87,7 +87,7 @@ def test_kill_9_mid_write_then_resume_gives_the_uninterrupted_rows(
     assert proc.returncode == -9, proc.stderr[-3000:]
     dataset = out / "positions.parquet"
     assert len(list(dataset.glob("part-*.parquet"))) == 3
-    assert list(dataset.glob(".part-00003.parquet.tmp"))  # the shard cut short
+    assert list(dataset.glob(".part-00003.parquet.*.tmp"))  # the shard cut short
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["status"] == "running" and len(manifest["shards"]) == 3
     done = set(manifest["prompts_done"])
@@ -152,7 +152,9 @@ def test_refusals_and_nothing_left_behind(
     assert certify_store.read_positions(out)["position"].to_pylist()[:3] == [0, 1, 0]
     # --resume with other options is refused, naming what differs.
     assert cli.main(_args(checkpoint, many_prompts, out, "--resume", "--steps", "3")) == 2
-    assert "options.steps differ" in capsys.readouterr().err
+    assert (
+        "was written with other options: options.steps (then 2, now 3)" in capsys.readouterr().err
+    )
     # --resume of a run interrupted before its first shard (nothing saved): it just starts.
     none = tmp_path / "none"
     assert cli.main(_args(checkpoint, many_prompts, none, "--resume")) == 0
@@ -228,3 +230,46 @@ def test_resume_trusts_the_shards_not_the_manifests_word(
     relative = _args(checkpoint, many_prompts.name, out, "--shard-rows", "12", "--resume")
     assert cli.main(relative) == 0
     assert "already complete" in capsys.readouterr().err
+
+
+def test_the_first_shard_is_on_disk_once_the_first_prompt_is_done(
+    checkpoint, many_prompts, uninterrupted, tmp_path, monkeypatch
+):
+    """A short run with the default shard sizes wrote nothing before it ended (a kill -9
+    lost it all): the first prompt's rows are now written at once."""
+    out = tmp_path / "run"
+    on_disk, real = [], certify_store.ShardWriter.write
+
+    def write(self, table):
+        real(self, table)
+        on_disk.append(len(list((out / "positions.parquet").glob("part-*.parquet"))))
+
+    monkeypatch.setattr(certify_store.ShardWriter, "write", write)
+    assert cli.main(_args(checkpoint, many_prompts, out, "--shard-seconds", "3600")) == 0
+    assert on_disk == [1] * len(TEXTS)  # from the first finished prompt on
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert [len(s["prompts"]) for s in manifest["shards"]] == [1, len(TEXTS) - 1]
+    assert certify_store.read_positions(out).equals(certify_store.read_positions(uninterrupted))
+
+
+def test_resume_of_a_complete_run_or_with_other_options_loads_no_model(
+    checkpoint, many_prompts, uninterrupted, tmp_path, monkeypatch, capsys
+):
+    import shutil
+
+    from jaxcert import models
+
+    out = tmp_path / "copy"
+    shutil.copytree(uninterrupted, out)
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(models, "load", no_load)
+    assert cli.main(_args(checkpoint, many_prompts, out, "--resume")) == 0
+    err = capsys.readouterr().err
+    assert "is already complete: nothing to resume" in err and "loading target" not in err
+    assert cli.main(_args(checkpoint, many_prompts, out, "--resume", "--steps", "3")) == 2
+    err = capsys.readouterr().err
+    assert "written with other options: options.steps (then 6, now 3)" in err
+    assert "loading target" not in err

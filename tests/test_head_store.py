@@ -81,12 +81,13 @@ def test_store_resumes_and_refuses_what_does_not_match(target, tmp_path):
     whole = head_data.write_store(target, seqs, tmp_path / "whole", _spec()).load()
     part = head_data.write_store(target, seqs, tmp_path / "p", _spec(), max_positions=1)
     assert len(part.shards) == 1  # stopped after the first shard passed the goal
-    (tmp_path / "p" / "shard-00001.safetensors.tmp").write_bytes(b"torn write")  # a crash
+    torn = tmp_path / "p" / ".shard-00001.safetensors.1234abcd.tmp"
+    torn.write_bytes(b"torn write")  # a crash
     calls = []
     resumed = head_data.write_store(
         target, seqs, tmp_path / "p", _spec(), progress=lambda *a: calls.append(a)
     )
-    assert len(resumed.shards) == 3
+    assert len(resumed.shards) == 3 and not torn.exists()  # the leftover is gone
     # First what the earlier run wrote (the baseline of a rate), then after each new shard.
     assert [c[0] for c in calls] == [part.positions] + [
         sum(s["positions"] for s in resumed.shards[: i + 1]) for i in (1, 2)
@@ -94,7 +95,10 @@ def test_store_resumes_and_refuses_what_does_not_match(target, tmp_path):
     got = resumed.load()
     for name in ("tokens", "states", "top_logp", "certificate", "length", "start"):
         np.testing.assert_array_equal(getattr(got, name), getattr(whole, name))
-    with pytest.raises(ValueError, match="written with .*use another folder"):
+    with pytest.raises(
+        ValueError,
+        match=r"written with other options: top_k \(then \d+, now 4\); use another folder",
+    ):
         head_data.write_store(target, seqs, tmp_path / "p", _spec(top_k=4))
     with pytest.raises(ValueError, match="shard 0 was written from other sequences"):
         head_data.write_store(target, _sequences(7, seed=1), tmp_path / "p", _spec())
@@ -313,10 +317,10 @@ def test_train_drafter_head_mode_end_to_end_and_resumes(tmp_path, capsys):
     longer = list(argv)
     longer[longer.index("--train-steps") + 1] = "6"
     assert main(longer) == 2
-    assert re.search(r"kl-seed0 holds a head trained for another run \(differs in steps\)",
-                     capsys.readouterr().err)  # fmt: skip
+    assert re.search(r"kl-seed0 was written with other options: steps \(then \d+, now 6\); it "
+                     "holds a head trained for another run", capsys.readouterr().err)  # fmt: skip
     assert main([*argv, "--ttt-depth", "2"]) == 2  # training-time test: another run too
-    assert re.search(r"kl-seed0 holds a head trained for another run \(differs in ttt_depth\)",
+    assert re.search(r"kl-seed0 was written with other options: ttt_depth \(then None, now 2\)",
                      capsys.readouterr().err)  # fmt: skip
     assert (out / "kl-seed0" / "done.json").is_file()
 

@@ -133,7 +133,7 @@ def test_a_failing_process_leaves_an_incomplete_run_that_resume_finishes(
     results = _launch(_distributed(_args(checkpoint, prompt_file, two) + ["--resume"], 2),
                       tmp_path)  # fmt: skip
     assert [r.returncode for r in results] == [0, 0], [r.stderr[-3000:] for r in results]
-    assert "1 prompts sent to process 0" in results[1].stderr
+    assert "of 1 prompt sent to process 0" in results[1].stderr
     assert read_positions(two).equals(read_positions(one))
     assert json.loads((two / "run.json").read_text())["prompts_resumed"] == 2
 

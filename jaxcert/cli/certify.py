@@ -9,6 +9,7 @@ import textwrap
 import time
 from typing import TYPE_CHECKING
 
+from jaxcert.base.tables import counted
 from jaxcert.cli import DEFAULT_RULES, DEFAULT_TARGET
 from jaxcert.cli._common import (
     add_distributed_arguments,
@@ -69,7 +70,8 @@ def add_parser(sub) -> None:
             "Greedy-decode each prompt with the target and record, per position, the "
             "target's top-1 probability, top-10 coverage, margin, entropy and the exact "
             "certificate C_p (nats) of every rule. Writes positions.parquet/ (Parquet "
-            "shards) and manifest.json as it goes, then summary.md, summary.csv, "
+            "shards) and manifest.json as it goes (the first shard once the first prompt is "
+            "finished), then summary.md, summary.csv, "
             "run_lengths.csv, run.json and the plots certificate_cdf.png and "
             "certificate_vs_margin.png (unless --no-plots) to --out.",
             width=90,
@@ -161,7 +163,10 @@ def add_parser(sub) -> None:
         "--shard-seconds",
         type=positive,
         default=60,
-        help="write a shard at least this often (seconds; bounds what a kill loses; default 60)",
+        help="write a shard at least this often (seconds; default 60). The first shard is "
+        "written as soon as the first prompt is finished, then one whenever --shard-rows "
+        "positions or --shard-seconds have accumulated, so a kill (even kill -9) loses at "
+        "most the prompts finished since the last shard; --resume continues from there",
     )
     add_mesh_argument(p, "each batch of prompts is split over data")
     add_distributed_arguments(p)
@@ -211,7 +216,8 @@ class _Display:
         self.bar.n = p.prompts_done
         stage = {"compile": "compiling (cached for later runs)"}.get(p.stage, p.stage)
         self.bar.set_description(f"{self.desc} [{stage}]", refresh=False)
-        self.bar.set_postfix_str(f"{p.positions} positions, {rate:.1f} pos/s", refresh=False)
+        self.bar.set_postfix_str(f"{counted(p.positions, 'position')}, {rate:.1f} pos/s",
+                                 refresh=False)  # fmt: skip
         self.bar.refresh()
 
     def close(self) -> None:
@@ -248,32 +254,38 @@ def _run(args, dist: distributed.Distributed, peers: distributed.Peers) -> int:
     mesh = device_mesh if device_mesh.size > 1 else None  # one device: no placement at all
     resume = _check_output(args, dist, tag)  # before loading anything
     started = time.perf_counter()
-    compile_cache = jaxcert.enable_compilation_cache()
-    prompt_set, lm, load_s = _load(args, mesh, tag)
-    meta = _meta(args, lm, rules, options, load_s, device_mesh, compile_cache, dist)
-    _say_loaded(tag, lm, prompt_set, load_s, meta, device_mesh, dist)
-    fingerprint = _fingerprint(args, lm, prompt_set, meta)
+    prompt_set = load_prompt_set(args.prompts, turn=args.turn, max_prompts=args.max_prompts)
+    # The fingerprint needs the checkpoint's files, not its weights: a resumed run with other
+    # options is refused, and a complete one reported, before the model is loaded.
+    fingerprint = _fingerprint(args, prompt_set, rules, options, device_mesh)
     writer = peers.writer(
         args.out, fingerprint, resume=resume, overwrite=args.overwrite,
         shard_rows=args.shard_rows, shard_seconds=args.shard_seconds,
     )  # fmt: skip
     done, complete = peers.agree(writer)
+    if complete:  # its shards hold every prompt its manifest lists (the shards decide)
+        return _already_complete(args.out, tag, dist, peers)
+    compile_cache = jaxcert.enable_compilation_cache()
+    lm, load_s = _load(args, mesh, tag)
+    meta = _meta(args, lm, rules, options, load_s, device_mesh, compile_cache, dist)
+    _say_loaded(tag, lm, prompt_set, load_s, meta, device_mesh, dist)
     display = _Display(f"certify{where}")
     part = (dist.process_index, dist.process_count) if multi else None
     run = engine.Certifier(
         lm, prompt_set, rules, options, mesh=mesh, part=part, skip=done, progress=display
     )
-    # The shards decide, not the manifest's word: a complete run missing a shard goes on.
-    if complete and run.usable <= done:
-        return _already_complete(args.out, tag, dist, peers)
     if done:
-        print(f"{tag} resuming: {len(done)} prompts already in {args.out}", file=sys.stderr)
+        print(f"{tag} resuming: {counted(len(done), 'prompt')} already in {args.out}",
+              file=sys.stderr)  # fmt: skip
+    print(f"{tag} compiling the certificate programs first (about a minute for a large model "
+          "on the first run; cached for later runs) ...", file=sys.stderr, flush=True)  # fmt: skip
     info = _certify(run, writer, display, dist, tag) | {"prompts_resumed": len(done)}
     writer.close("running", info=info)  # "complete" only once every part is in
     if multi:
         merged = peers.merge(writer, fingerprint, info)
         if merged is None:  # not process 0: its part is merged
-            print(f"{tag} {run.info['positions']} positions of {len(run.order)} prompts sent "
+            print(f"{tag} {counted(run.info['positions'], 'position')} of "
+                  f"{counted(len(run.order), 'prompt')} sent "
                   "to process 0, which wrote the tables", file=sys.stderr)  # fmt: skip
             return 0
         info = merged
@@ -300,21 +312,21 @@ def _check_output(args, dist, tag) -> bool:
 
 
 def _load(args, mesh, tag):
-    """``(prompt_set, lm, load_s)``: the prompts, and the target with its load time."""
+    """``(lm, load_s)``: the target and its load time."""
     import jax.numpy as jnp
 
-    prompt_set = load_prompt_set(args.prompts, turn=args.turn, max_prompts=args.max_prompts)
     print(f"{tag} loading target {args.target} ...", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
     lm = load_model("--target", args.target, dtype=dtype, mesh=mesh)  # each weight onto its shards
-    return prompt_set, lm, time.perf_counter() - t0
+    return lm, time.perf_counter() - t0
 
 
 def _say_loaded(tag, lm, prompt_set, load_s, meta, device_mesh, dist) -> None:
     print(
-        f"{tag} target {lm.path.name}: {lm.config.num_layers} layers, "
-        f"V={lm.config.vocab_size}, loaded in {load_s:.1f} s; {len(prompt_set)} prompts, "
+        f"{tag} target {lm.path.name}: {counted(lm.config.num_layers, 'layer')}, "
+        f"V={lm.config.vocab_size}, loaded in {load_s:.1f} s; "
+        f"{counted(len(prompt_set), 'prompt')}, "
         f"rules: {', '.join(meta['rules'])}; mesh {mesh_lib.describe(device_mesh)}"
         + (f"; process {dist.process_index} of {dist.process_count}"
            if dist.process_count > 1 else ""),
@@ -322,16 +334,22 @@ def _say_loaded(tag, lm, prompt_set, load_s, meta, device_mesh, dist) -> None:
     )  # fmt: skip
 
 
-def _fingerprint(args, lm, prompt_set, meta) -> dict:
+def _fingerprint(args, prompt_set, rules, options, device_mesh) -> dict:
     """What a resumed run and every process must agree on
-    (:func:`jaxcert.pipeline.store.run_fingerprint`)."""
+    (:func:`jaxcert.pipeline.store.run_fingerprint`), from the checkpoint's files (no
+    weights are loaded; an asset is fetched, as loading it would)."""
     import jaxcert
+    from jaxcert import models
     from jaxcert.pipeline import store as certify_store
 
+    try:
+        path = models.model_path(args.target)
+    except ValueError as err:
+        raise ValueError(f"--target: {err}") from None
     return certify_store.run_fingerprint(
-        target=args.target, model_path=lm.path, dtype=args.dtype, prompts=args.prompts,
-        prompt_set=prompt_set, turn=args.turn, rules=meta["rules"], options=meta["options"],
-        mesh=meta["mesh"], jaxcert=jaxcert.__version__,
+        target=args.target, model_path=path, dtype=args.dtype, prompts=args.prompts,
+        prompt_set=prompt_set, turn=args.turn, rules=[r.spec for r in rules],
+        options=vars(options) | {}, mesh=dict(device_mesh.shape), jaxcert=jaxcert.__version__,
     )  # fmt: skip
 
 
@@ -364,9 +382,10 @@ def _certify(run, writer, display: _Display, dist, tag) -> dict:
         if writer.rows_written and dist.is_main:  # everything computed is kept
             status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
             print(
-                f"{tag} {status}; {writer.rows_written} positions of "
-                f"{len(writer.done_prompts)} prompts are saved in {writer.out} (--resume "
-                "continues)",
+                f"{tag} {status}; {counted(writer.rows_written, 'position')} of "
+                f"{counted(len(writer.done_prompts), 'prompt')} "
+                f"{'is' if len(writer.done_prompts) == 1 else 'are'} saved in {writer.out} "
+                "(--resume continues)",
                 file=sys.stderr,
             )
         raise

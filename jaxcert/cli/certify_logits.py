@@ -9,6 +9,7 @@ import sys
 import textwrap
 import time
 
+from jaxcert.base.tables import counted
 from jaxcert.cli import DEFAULT_RULES
 from jaxcert.cli._common import rules_arg
 from jaxcert.cli.argtypes import positive
@@ -114,7 +115,7 @@ def run(args) -> int:
 
 
 def _kept(rows: int, path: pathlib.Path) -> None:
-    print(f"[jaxcert] failed; {rows} positions saved in {path}", file=sys.stderr)
+    print(f"[jaxcert] failed; {counted(rows, 'position')} saved in {path}", file=sys.stderr)
 
 
 def _certify_dense(args, rules) -> tuple[list[str], dict]:
@@ -136,7 +137,9 @@ def _certify_dense(args, rules) -> tuple[list[str], dict]:
 
         invalid = certify_logits.write_certificates(args.out, shown(tables), kept=_kept)
     if invalid:
-        print(f"[jaxcert] {len(invalid)} row(s) hold NaN or +inf logits, or no finite logit "
+        verb = "holds" if len(invalid) == 1 else "hold"
+        print(f"[jaxcert] {counted(len(invalid), 'row')} {verb} NaN or +inf logits, or no "
+              "finite logit "
               f"(valid = false, certificates nan): {certify_logits.row_list(invalid)}",
               file=sys.stderr)  # fmt: skip
     return certify_logits.summary_notes(invalid=invalid), {}

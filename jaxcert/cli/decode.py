@@ -13,11 +13,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from jaxcert.base.tables import counted
 from jaxcert.cli import DEFAULT_DECODE_TARGET, DEFAULT_DRAFTER
 from jaxcert.cli._common import (
     add_mesh_argument,
     add_prompt_arguments,
     check_vocabularies,
+    clamp_kls,
     describe_drafter,
     load_drafter,
     load_model,
@@ -161,8 +163,11 @@ class DecodeProgress:
     those tokens its count, so the rate (``tokens / seconds``, not smoothed) and the ETA are
     those of decoding.
 
+    The description names the run the tokens come from: ``target-only`` (the baseline,
+    unless ``--no-baseline``) or ``speculative``, and the batch (``batch i/n``).
+
     Args:
-      total: tokens of the whole run (every batch, both runs).
+      total: tokens of the whole run (every batch, both runs: target-only and speculative).
       file: the stream the bar writes to (default ``sys.stderr``).
     """
 
@@ -182,6 +187,14 @@ class DecodeProgress:
             bar_format=self.DECODING,
         )
         self._paused_at: float | None = None
+        self._desc = "decode"
+
+    def label(self, run: str) -> None:
+        """Names the run (and batch) the next tokens come from, e.g. ``"target-only,
+        batch 1/2"``."""
+        self._desc = f"decode [{run}]"
+        if self._paused_at is None:
+            self.bar.set_description(self._desc)
 
     def compiling(self, name: str) -> None:
         """Shows ``compiling <name>`` without rate or ETA, and pauses the bar's clock."""
@@ -197,7 +210,7 @@ class DecodeProgress:
             self.bar.start_t += time.time() - self._paused_at
             self.bar.initial += position - self.bar.n  # tokens not in the rate
             self._paused_at = None
-            self.bar.set_description("decode", refresh=False)
+            self.bar.set_description(self._desc, refresh=False)
             self.bar.bar_format = self.DECODING
         self.bar.update(position - self.bar.n)
 
@@ -232,20 +245,26 @@ def run(args) -> int:
                 f"--costs {args.costs} has no costs for batches of {missing} rows "
                 f"(it has {sorted(given_costs.table)})"
             )
+    print(f"[jaxcert] loading target {args.target} and drafter {args.drafter} ...",
+          file=sys.stderr, flush=True)  # fmt: skip
     target, drafter, load_s = _load(args, mesh)
     config = dataclasses.replace(config, eos_ids=target.eos_ids)
     encoded = _encode(args, target, prompt_set)
     d_name, d_what = describe_drafter(drafter)
     print(
-        f"[jaxcert] target {target.path.name} ({target.config.num_layers} layers), drafter "
-        f"{d_name} ({d_what}), V={target.config.vocab_size},"
-        f" loaded in {load_s:.1f} s; {len(encoded)} prompts; policy {policy.spec}, verify "
+        f"[jaxcert] target {target.path.name} ({counted(target.config.num_layers, 'layer')}), "
+        f"drafter {d_name} ({d_what}), V={target.config.vocab_size},"
+        f" loaded in {load_s:.1f} s; {counted(len(encoded), 'prompt')}; policy {policy.spec}, "
+        "verify "
         f"{config.verification.spec}, T={args.temperature}; mesh "
         f"{mesh_lib.describe(device_mesh)}",
         file=sys.stderr,
     )
     compiled_before = default_programs().compiled
     goodput = _goodput(policy, given_costs, target, drafter, config)
+    print("[jaxcert] compiling the decoding programs first (a minute or more for a large "
+          "model on the first run; cached for later runs) ...",
+          file=sys.stderr, flush=True)  # fmt: skip
     runs = _decode(args, target, drafter, encoded, policy, config, goodput)
     if goodput is not None and given_costs is None:
         goodput.save()  # the next run on this machine starts from what these decodes learnt
@@ -261,6 +280,7 @@ def run(args) -> int:
         "compilation_cache": str(cache_dir) if cache_dir else None,
         "total_s": round(time.perf_counter() - started, 1),
     }
+    summary = clamp_kls(summary)  # a KL is >= 0: no -0.0 from float rounding
     (out / "summary.json").write_text(json.dumps(meta | summary, indent=2, default=str))
     print(run_report.markdown_summary(meta | summary))  # with the compile time
     print(
@@ -348,11 +368,14 @@ def _decode(args, target, drafter, encoded, policy, config, goodput=None) -> dic
         """A call's progress callback: the bar at ``offset`` plus the call's ``n`` new tokens."""
         return lambda n: progress.advance(offset + n)
 
+    batches = -(-len(encoded) // args.batch_size)
     for start in range(0, len(encoded), args.batch_size):
         batch = encoded[start : start + args.batch_size]
+        of = f", batch {start // args.batch_size + 1}/{batches}" if batches > 1 else ""
         key, k1, k2 = jax.random.split(key, 3)
         done = progress.bar.n
         if not args.no_baseline:
+            progress.label(f"target-only{of}")
             runs["target"].append(decoding.target_decode(
                 target, batch, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                 top_p=args.top_p, eos_ids=config.eos_ids, key=k1,
@@ -360,6 +383,7 @@ def _decode(args, target, drafter, encoded, policy, config, goodput=None) -> dic
             ))  # fmt: skip
             done += len(batch) * args.max_new_tokens  # rows that ended early count in full
             progress.advance(done)
+        progress.label(f"speculative{of}")
         runs["speculative"].append(decoding.speculative_decode(
             target, drafter, batch, policy=policy, config=config, key=k2,
             progress=advance_from(done), costs=goodput, **common,

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
+from jaxcert.base.tables import counted
 from jaxcert.cli import DEFAULT_DECODE_TARGET, DEFAULT_TARGET, train_head
 from jaxcert.cli._common import check_vocabularies, load_model, load_prompt_set
 from jaxcert.cli.argtypes import (
@@ -214,7 +215,7 @@ def _saved_features(args: argparse.Namespace, num_prompts: int) -> Callable[[], 
         if len(saved) == 0 or saved.prompt.max() >= num_prompts:
             raise ValueError(
                 f"{args.features}: its prompts do not fit --prompts {args.prompts} with "
-                f"--max-prompts {args.max_prompts} ({num_prompts} prompts); use the "
+                f"--max-prompts {args.max_prompts} ({counted(num_prompts, 'prompt')}); use the "
                 "options of the run that saved it"
             )
         return saved

@@ -32,6 +32,7 @@ from collections.abc import Iterable, Mapping
 import jax
 import numpy as np
 
+from jaxcert.base.folders import atomic_write
 from jaxcert.decoding import costs as costs_lib
 from jaxcert.decoding.config import DecodeConfig
 from jaxcert.decoding.costs import CostTracker, PassCosts, PastDrafting
@@ -71,11 +72,9 @@ def read_costs(path: str | os.PathLike, config: DecodeConfig | None = None) -> P
     return costs
 
 
-def _write(path: pathlib.Path, costs: PassCosts) -> None:
+def _write(path: pathlib.Path, body: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(costs.to_json(), indent=1))
-    tmp.replace(path)
+    atomic_write(path, json.dumps(body, indent=1))
 
 
 def _as_table(costs) -> dict[int, PassCosts]:
@@ -183,7 +182,7 @@ class GoodputController:
                 src["target"], src["drafter"], rows=rows, config=src["config"],
                 context=src["context"], repeats=src["repeats"],
             )  # fmt: skip
-            _write(path, costs)
+            _write(path, costs.to_json())
         self.table[rows], self._files[rows] = costs, path
         return costs
 
@@ -219,18 +218,14 @@ class GoodputController:
           ValueError: ``path`` is ``None`` and a batch size has no calibration file.
         """
         if path is not None:
-            path = pathlib.Path(path)
-            path.parent.mkdir(parents=True, exist_ok=True)
             body = {str(r): c.to_json() for r, c in sorted(self.table.items())}
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(body, indent=1))
-            tmp.replace(path)
+            _write(pathlib.Path(path), body)
             return
         unfiled = sorted(set(self.table) - set(self._files))
         if unfiled:
             raise ValueError(f"no calibration file for batches of {unfiled} rows: pass a path")
         for rows, costs in self.table.items():
-            _write(self._files[rows], costs)
+            _write(self._files[rows], costs.to_json())
 
     def costs(self, rows: int) -> PassCosts:
         """The costs at ``rows`` batch rows (a calibration measures or reads them now).

@@ -33,6 +33,8 @@ import socket
 import threading
 import time
 
+from jaxcert.base.tables import counted
+
 __all__ = [
     "Distributed",
     "Peers",
@@ -653,10 +655,10 @@ class Peers:
 
     def agree(self, writer) -> tuple[set[int], bool]:
         """``(done, complete)`` on every process: the prompts process 0's ``writer`` holds,
-        and whether its manifest said ``complete``."""
+        and whether the run it resumes is complete (``ShardWriter.resumed_complete``)."""
         mine = None
         if self.dist.is_main:
-            complete = writer.resumed_status == "complete"
+            complete = writer.resumed_complete
             mine = {"done": sorted(writer.done_prompts), "complete": complete}
         start = self.start(mine)
         return set(start.get("done", ())), bool(start.get("complete"))
@@ -729,7 +731,8 @@ class Peers:
         if failures:
             writer.close("incomplete", info=info, error="; ".join(failures))
             raise ProcessFailed(
-                f"{'; '.join(failures)}. {len(writer.done_prompts)} prompts are saved in "
+                f"{'; '.join(failures)}. {counted(len(writer.done_prompts), 'prompt')} "
+                f"{'is' if len(writer.done_prompts) == 1 else 'are'} saved in "
                 f"{writer.out} (manifest: incomplete); run again with --resume to certify "
                 "the rest"
             )

@@ -44,6 +44,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcert import models
 from jaxcert.base.programs import Programs
 from jaxcert.base.prompts import Prompt, encode_prompts
+from jaxcert.base.tables import counted
 from jaxcert.base.validate import check_int, round_up
 from jaxcert.core import stats as stats_lib
 from jaxcert.core.solver import certificates
@@ -245,7 +246,9 @@ def _share(encoded: Sequence, keep: list[int], skip, part) -> list[int]:
     if not 0 <= index < count:
         raise ValueError(f"part index must be in [0, {count}), got {index}")
     if count > len(keep):
-        raise ValueError(f"{count} processes for {len(keep)} prompts: each process needs a prompt")
+        raise ValueError(
+            f"{count} processes for {counted(len(keep), 'prompt')}: each process needs a prompt"
+        )
     return sorted(sorted(order, key=lambda i: (len(encoded[i]), i))[index::count])
 
 

@@ -36,6 +36,7 @@ is too short for that rule at that position (a longer ``top_logprobs`` helps).
 
 from __future__ import annotations
 
+import itertools
 import os
 import pathlib
 import re
@@ -47,6 +48,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from jaxcert.base.folders import atomic_file
 from jaxcert.core import rules as rules_lib
 from jaxcert.core import solver
 from jaxcert.core import stats as stats_lib
@@ -473,31 +475,28 @@ def write_certificates(out: pathlib.Path, tables, *, kept=None) -> list[str]:
       ``"row N"`` or ``"(sequence B, position T)"``.
     """
     out = pathlib.Path(out)
-    tmp = out / f".{CERTIFICATES}.tmp-{os.getpid()}"
-    writer, rows, invalid = None, 0, []
+    tables = iter(tables)
+    first = next(tables, None)  # the folder is created only once there is a table
+    if first is None:  # the readers raise on an empty input before any table
+        raise ValueError("no certificates to write: no tables")
+    out.mkdir(parents=True, exist_ok=True)
+    rows, invalid = 0, []
     try:
-        for table in tables:
-            if writer is None:
-                out.mkdir(parents=True, exist_ok=True)
-                writer = pq.ParquetWriter(tmp, table.schema)
-            writer.write_table(table)
-            if "valid" in table.column_names:
-                bad = np.flatnonzero(~table["valid"].to_numpy(zero_copy_only=False))
-                invalid += [_row_name(table, int(i)) for i in bad]
-            rows += table.num_rows
-        if writer is None:  # the readers raise on an empty input before any table
-            raise ValueError("no certificates to write: no tables")
-        writer.close()
-        os.replace(tmp, out / CERTIFICATES)
-        (out / PARTIAL).unlink(missing_ok=True)  # an earlier failed run's rows are superseded
+        with (
+            atomic_file(out / CERTIFICATES, fsync=False, keep_on_error=out / PARTIAL) as tmp,
+            pq.ParquetWriter(tmp, first.schema) as writer,
+        ):
+            for table in itertools.chain([first], tables):
+                writer.write_table(table)
+                if "valid" in table.column_names:
+                    bad = np.flatnonzero(~table["valid"].to_numpy(zero_copy_only=False))
+                    invalid += [_row_name(table, int(i)) for i in bad]
+                rows += table.num_rows
     except BaseException:
-        if writer is not None:
-            writer.close()
-            if rows:  # keep what was certified
-                os.replace(tmp, out / PARTIAL)
-                if kept is not None:
-                    kept(rows, out / PARTIAL)
+        if rows and kept is not None:  # what was certified is in the partial file
+            kept(rows, out / PARTIAL)
         raise
+    (out / PARTIAL).unlink(missing_ok=True)  # an earlier failed run's rows are superseded
     return invalid
 
 
@@ -566,7 +565,7 @@ def summary_markdown(
             text += "Where a certificate is not determined:\n\n" + "\n".join(hints) + "\n\n"
         text += "Statistics over the determined positions:\n\n"
     summary = report.summarize_positions(table, [rule_column(r) for r in rules])
-    return text + report.markdown_table(summary) + "\n"
+    return text + report.markdown_table(summary, blank_none=True) + "\n"
 
 
 def _needed_k(rule, vocab_given: bool) -> str:

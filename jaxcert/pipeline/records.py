@@ -60,6 +60,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from jaxcert.base.tables import counted
+
 __all__ = [
     "LOGPROB_TOLERANCE",
     "SENTINEL_LOGPROB",
@@ -490,7 +492,7 @@ def _read(lines: Iterable[tuple[int, Any]], label: str, counts: RecordCounts) ->
     if not rows:
         raise ValueError(
             f"{label}: no positions with top log-probabilities "
-            f"({counts.missing_positions} positions without any)"
+            f"({counted(counts.missing_positions, 'position')} without any)"
         )
     counts.positions = len(rows)
     width = max(len(r) for r in rows)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pyarrow as pa
 
-from jaxcert.base.tables import markdown_table
+from jaxcert.base.tables import counted, markdown_table
 from jaxcert.core import bounds
 
 if TYPE_CHECKING:  # matplotlib is imported by the plotting functions only
@@ -41,11 +41,11 @@ def rule_column(rule) -> str:
     return f"cert_{rule.spec}"
 
 
-def _percentile(values: np.ndarray, q: float) -> float:
+def _percentile(values: np.ndarray, q: float) -> float | None:
     """``np.percentile`` where ``+inf`` ranks above everything (two infinite neighbours
-    interpolate to ``inf``, not ``nan``); ``values`` hold no NaN."""
+    interpolate to ``inf``, not ``nan``); ``values`` hold no NaN. ``None`` without values."""
     if not values.size:
-        return math.nan
+        return None
     with np.errstate(invalid="ignore"):
         out = float(np.percentile(values, q))
     return math.inf if math.isnan(out) else out
@@ -55,12 +55,15 @@ def summarize_positions(table: pa.Table, columns: Sequence[str]) -> list[dict]:
     """Mean, median and 5th percentile of each column (the seed paper's section 4 table).
 
     ``+inf`` values (rule cannot reject) count as larger than everything in the median and
-    percentile; the mean is over finite values, and ``inf_share`` reports how many were
-    infinite. ``nan`` values (certificates a top-``K`` window does not determine) are left
-    out: ``n`` counts the others.
+    percentile (so these are ``inf`` when enough values are). A mean with an ``inf`` in it
+    says nothing, so ``finite_mean`` is the mean of the finite values alone, beside
+    ``inf_share``, the share of infinite ones; it is ``None`` (a blank cell) when no value
+    is finite. ``nan`` values (certificates a top-``K`` window does not determine) are left
+    out: ``n`` counts the others; with none, every statistic is ``None``. No statistic is
+    ever ``nan``.
 
     Returns:
-      One dict per column: ``column, n, mean, median, p5, inf_share``.
+      One dict per column: ``column, n, finite_mean, median, p5, inf_share``.
     """
     rows = []
     for name in columns:
@@ -71,10 +74,10 @@ def summarize_positions(table: pa.Table, columns: Sequence[str]) -> list[dict]:
             {
                 "column": name,
                 "n": int(values.size),
-                "mean": float(finite.mean()) if finite.size else math.nan,
+                "finite_mean": float(finite.mean()) if finite.size else None,
                 "median": _percentile(values, 50),
                 "p5": _percentile(values, 5),
-                "inf_share": float(np.mean(np.isinf(values))) if values.size else math.nan,
+                "inf_share": float(np.mean(np.isinf(values))) if values.size else None,
             }
         )
     return rows
@@ -316,8 +319,9 @@ def write_report(
     write_csv(out / "summary.csv", summary)
     write_csv(out / "run_lengths.csv", runs)
     text = (
-        f"## Positions: {table.num_rows} ({info['prompts_used']} prompts x up to "
-        f"{options.steps} greedy steps)\n\n{markdown_table(summary)}\n\n"
+        f"## Positions: {table.num_rows} ({counted(info['prompts_used'], 'prompt')} x up to "
+        f"{counted(options.steps, 'greedy step')})\n\n"
+        f"{markdown_table(summary, blank_none=True)}\n\n"
         f"## Mean certified run length (positions) at uniform KL budget eps\n\n"
         f"{markdown_table(runs, digits=2)}\n"
     )

@@ -6,7 +6,7 @@ Layout of an output folder::
   out/positions.parquet/             a Parquet dataset: one file per shard
       part-00000.parquet             every row of a prompt is in one shard
       part-00001.parquet
-      .part-00002.parquet.tmp        a shard being written (hidden; ignored by readers)
+      .part-00002.parquet.*.tmp      a shard being written (hidden; ignored by readers)
 
 ``pyarrow.parquet.read_table(out / "positions.parquet")`` (or ``pandas.read_parquet``, if
 installed) and :func:`read_positions` (sorted by prompt, then position) read the dataset.
@@ -37,6 +37,9 @@ from collections.abc import Callable, Mapping
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from jaxcert.base.folders import atomic_file, refuse_other_options
+from jaxcert.base.tables import counted
 
 __all__ = [
     "OutputExists",
@@ -135,17 +138,13 @@ def _jsonable(value):
 
 
 def _write_atomic(path: pathlib.Path, data: bytes | Callable) -> None:
-    """Writes ``data`` (bytes, or a function writing to a binary file) to a hidden
-    temporary file beside ``path``, flushes it to disk and renames it to ``path``."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
+    """Writes ``data`` (bytes, or a function writing to a binary file) to ``path`` with
+    :func:`jaxcert.base.folders.atomic_file` (a hidden ``.*.tmp`` file, fsync, rename)."""
+    with atomic_file(path) as tmp, open(tmp, "wb") as f:
         if callable(data):
             data(f)
         else:
             f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _shard_index(name: str) -> int | None:
@@ -224,7 +223,9 @@ class ShardWriter:
       resume: continue the run in ``out`` (``done_prompts`` lists what is finished).
       overwrite: remove a previous run's jaxcert files from ``out`` first.
       shard_rows: a shard is written once this many rows are buffered ...
-      shard_seconds: ... or this many seconds after the last shard (bounds what a kill loses).
+      shard_seconds: ... or this many seconds after the last shard (bounds what a kill
+        loses); and the first shard as soon as the first prompt is finished, so a run's
+        folder, manifest and first rows are on disk early however short the run.
 
     Raises:
       OutputExists, ValueError: as :func:`check_output`; also ``resume`` with a different
@@ -252,11 +253,13 @@ class ShardWriter:
         self._rows = 0
         self._last = time.monotonic()
         self._created = False
+        self._flushed = False  # no shard written by this writer yet
         # With overwrite, the previous run is removed only when this one writes its first
         # shard: a run that fails before that leaves the previous one intact.
         self._replace = held and overwrite
         #: the resumed run's manifest status (``complete``, ``failed``, ...), or ``None``.
         self.resumed_status: str | None = None
+        self._manifest_done: set[int] = set()
         if resume and held:
             self._load_for_resume()
 
@@ -274,24 +277,21 @@ class ShardWriter:
             raise ValueError(f"{self.manifest_path} is corrupt ({err}); use --overwrite") from None
         if not isinstance(manifest, dict) or not isinstance(manifest.get("fingerprint"), dict):
             raise ValueError(f"{self.manifest_path} is corrupt (no fingerprint); use --overwrite")
-        if manifest.get("fingerprint") != self.fingerprint:
-            old = manifest["fingerprint"]
-            diff = sorted(
-                k for k in set(self.fingerprint) | set(old) if self.fingerprint.get(k) != old.get(k)
-            )
-            if "options" in diff and isinstance(old.get("options"), dict):
-                mine = self.fingerprint.get("options", {})
-                diff += [
-                    f"options.{k}"
-                    for k in sorted(set(mine) | set(old["options"]))
-                    if mine.get(k) != old["options"].get(k)
-                ]
-            raise ValueError(
-                f"cannot resume {self.out}: it was run with other settings "
-                f"({', '.join(diff)} differ); rerun with the same options, or --overwrite"
-            )
+        try:
+            refuse_other_options(
+                self.out, manifest["fingerprint"], self.fingerprint,
+                advice="rerun with the same options, or --overwrite",
+            )  # fmt: skip
+        except ValueError as err:
+            raise ValueError(f"cannot resume: {err}") from None
         self._created = True
         self.resumed_status = str(manifest.get("status"))
+        try:
+            self._manifest_done = {int(i) for i in manifest.get("prompts_done", ())}
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"{self.manifest_path} is corrupt (prompts_done); use --overwrite"
+            ) from None
         if not self.dataset.is_dir():
             return
         for leftover in self.dataset.glob(".*.tmp"):  # a shard cut short by a kill
@@ -314,6 +314,13 @@ class ShardWriter:
             self.shards.append({"file": path.name, "rows": len(column), "prompts": prompts})
 
     @property
+    def resumed_complete(self) -> bool:
+        """Whether the resumed run is finished: its manifest says ``complete`` and its shards
+        hold every prompt the manifest lists (the shards decide: a complete run missing a
+        shard goes on). Known before any model is loaded, since the fingerprint matched."""
+        return self.resumed_status == "complete" and self._manifest_done <= self.done_prompts
+
+    @property
     def done_prompts(self) -> set[int]:
         """Prompt indices held by the shards written so far (resumed ones included)."""
         return {i for s in self.shards for i in s["prompts"]}
@@ -325,11 +332,13 @@ class ShardWriter:
     # -- writing ----------------------------------------------------------------------------
 
     def write(self, table: pa.Table) -> None:
-        """Buffers one finished prompt's rows; writes a shard when the buffer is full."""
+        """Buffers one finished prompt's rows; writes a shard at this writer's first prompt,
+        then whenever ``shard_rows`` rows are buffered or ``shard_seconds`` have passed
+        since the last shard."""
         self._buffer.append(table)
         self._rows += table.num_rows
         stale = time.monotonic() - self._last >= self.shard_seconds
-        if self._rows >= self.shard_rows or stale:
+        if self._rows >= self.shard_rows or stale or not self._flushed:
             self.flush()
 
     def flush(self) -> None:
@@ -344,6 +353,7 @@ class ShardWriter:
             self._created = True
             self.write_manifest("running")
         self._write_shard(table, self._next_name())
+        self._flushed = True
         self._buffer, self._rows = [], 0
         self._last = time.monotonic()
         self.write_manifest("running")
@@ -414,5 +424,8 @@ def finish(writer: ShardWriter, usable, info: dict) -> None:
     missing = sorted(set(usable) - writer.done_prompts)
     if missing:  # every part arrived, yet prompts are missing: never call this complete
         writer.close("incomplete", info=info, missing_prompts=missing)
-        raise ValueError(f"{len(missing)} prompts are missing from {writer.out} after the merge")
+        raise ValueError(
+            f"{counted(len(missing), 'prompt')} {'is' if len(missing) == 1 else 'are'} missing "
+            f"from {writer.out} after the merge"
+        )
     writer.close("complete", info=info)

@@ -27,6 +27,7 @@ import optax
 from flax import nnx, struct
 
 from jaxcert import losses
+from jaxcert.base.folders import atomic_write
 from jaxcert.base.validate import check_int, check_probability
 from jaxcert.core import rules as rules_lib
 from jaxcert.decoding.protocols import context_before, shifted_right
@@ -458,9 +459,7 @@ def train_head_on_records(
         leaves = jax.tree.leaves(nnx.state(optimizer, nnx.optimizer.OptState))
         arrays = {f"{i:05d}": np.asarray(x) for i, x in enumerate(leaves)}
         save_file(arrays, folder / "optimizer.safetensors")
-        tmp = folder / "progress.json.tmp"
-        tmp.write_text(json.dumps({"step": done, "history": history}))
-        os.replace(tmp, folder / "progress.json")
+        atomic_write(folder / "progress.json", json.dumps({"step": done, "history": history}))
 
     n = records.tokens.shape[0]
     size = min(batch_size, n)

@@ -53,6 +53,7 @@ import numpy as np
 from flax import nnx
 
 from jaxcert.base import prompts
+from jaxcert.base.folders import atomic_file, atomic_write, refuse_other_options
 from jaxcert.base.validate import check_int
 from jaxcert.core import rules as rules_lib
 from jaxcert.core import solver
@@ -467,9 +468,7 @@ def read_store(folder: str | os.PathLike) -> Store:
 
 def _write_manifest(store: Store) -> None:
     record = {"version": STORE_VERSION, "spec": store.spec.to_json(), "shards": list(store.shards)}
-    tmp = _manifest_path(store.folder).with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(record, indent=1))
-    os.replace(tmp, _manifest_path(store.folder))
+    atomic_write(_manifest_path(store.folder), json.dumps(record, indent=1))
 
 
 @jax.jit(static_argnames=("graphdef", "taps", "top_k", "rules"))
@@ -526,10 +525,11 @@ def write_store(
     folder.mkdir(parents=True, exist_ok=True)
     if _manifest_path(folder).is_file():
         store = read_store(folder)
-        if store.spec != spec:
-            raise ValueError(
-                f"{folder}: the store was written with {store.spec}, not {spec}; use another folder"
-            )
+        refuse_other_options(
+            folder, store.spec.to_json(), spec.to_json(), advice="use another folder"
+        )
+        for leftover in folder.glob(".*.tmp"):  # a shard cut short by a crash
+            leftover.unlink()
     else:
         store = Store(folder, spec, ())
         _write_manifest(store)
@@ -572,8 +572,8 @@ def write_store(
         record = {k: np.asarray(v)[:rows] for k, v in arrays.items()}
         record.update(tokens=tokens[:rows], length=length[:rows], start=start[:rows])
         name = f"shard-{i:05d}.safetensors"
-        save_file({k: np.ascontiguousarray(v) for k, v in record.items()}, folder / (name + ".tmp"))
-        os.replace(folder / (name + ".tmp"), folder / name)
+        with atomic_file(folder / name) as tmp:
+            save_file({k: np.ascontiguousarray(v) for k, v in record.items()}, tmp)
         positions = int(np.sum(np.maximum(length[:rows] - np.maximum(start[:rows], 1), 0)))
         shards.append(
             {"file": name, "rows": rows, "positions": positions, "digest": _digest(batch)}

@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from jaxcert.base import prompts
+from jaxcert.base.folders import refuse_other_options
+from jaxcert.base.tables import counted
 from jaxcert.base.validate import check_int
 from jaxcert.core import rules as rules_lib
 from jaxcert.training import head_data
@@ -157,7 +159,8 @@ def sequences(
     n_train = len(fit) - settings.heldout
     if n_train < 1:
         raise ValueError(
-            f"{len(fit)} prompts fit {settings.length} tokens: too few to hold out "
+            f"{counted(len(fit), 'prompt')} fit{'s' if len(fit) == 1 else ''} "
+            f"{settings.length} tokens: too few to hold out "
             f"{settings.heldout} (raise --max-prompts or lower --heldout-sequences)"
         )
     kw: dict[str, Any] = {"length": settings.length, "cache": cache, "progress": progress}
@@ -179,7 +182,9 @@ def split_sequences(
       ValueError: fewer than ``heldout + 1`` sequences.
     """
     if len(seqs) <= heldout:
-        raise ValueError(f"{len(seqs)} sequences cannot hold out {heldout} (raise --max-prompts)")
+        raise ValueError(
+            f"{counted(len(seqs), 'sequence')} cannot hold out {heldout} (raise --max-prompts)"
+        )
     return list(seqs[: len(seqs) - heldout]), list(seqs[len(seqs) - heldout :])
 
 
@@ -297,13 +302,8 @@ def _check_run_key(folder: pathlib.Path, key: dict[str, Any]) -> None:
     """
     path = folder / "run.json"
     if path.is_file():
-        saved = json.loads(path.read_text())
-        differ = sorted(k for k in key.keys() | saved.keys() if saved.get(k) != key.get(k))
-        if differ:
-            raise ValueError(
-                f"{folder} holds a head trained for another run (differs in {', '.join(differ)}); "
-                "move it away or choose another --out"
-            )
+        advice = "it holds a head trained for another run: move it away or choose another --out"
+        refuse_other_options(folder, json.loads(path.read_text()), key, advice=advice)
     elif (folder / "progress.json").is_file() or (folder / "done.json").is_file():
         raise ValueError(
             f"{folder} holds a head without a run key (an earlier version's); move it away or "

@@ -27,6 +27,7 @@ import numpy as np
 
 from jaxcert import models
 from jaxcert.base import prompts
+from jaxcert.base.tables import counted
 from jaxcert.core import rules as rules_lib
 from jaxcert.training.evaluation import decoder_acceptance, evaluate
 from jaxcert.training.features import (
@@ -251,8 +252,8 @@ def split_heldout(features: FeatureSet, fraction: float, *, seed: int = 0) -> Sp
     train, test = features.select(~is_held), features.select(is_held)
     if len(train) == 0 or len(test) == 0:
         raise ValueError(
-            f"{len(prompt_ids)} prompt(s) with positions: need at least 2 to hold some out "
-            "(raise --max-prompts)"
+            f"{counted(len(prompt_ids), 'prompt')} with positions: need at least 2 to hold some "
+            "out (raise --max-prompts)"
         )
     return Split(train, test, held)
 

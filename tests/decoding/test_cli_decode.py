@@ -265,3 +265,56 @@ def test_decode_with_goodput_corrects_and_keeps_its_costs(files, monkeypatch, tm
     argv = _argv(files, tmp_path / "out-given", "--no-baseline", "--costs", str(given))
     argv[argv.index("--policy") + 1] = "goodput"
     assert cli.main(argv) == 0 and given.read_bytes() == before
+
+
+def test_progress_bar_names_the_run_it_counts():
+    stream = io.StringIO()
+    progress = decode_cli.DecodeProgress(total=100, file=stream)
+    progress.label("target-only, batch 1/2")
+    progress.advance(10)
+    assert str(progress.bar).startswith("decode [target-only, batch 1/2]")
+    progress.label("speculative, batch 1/2")
+    progress.compiling("run_rounds")
+    assert str(progress.bar).startswith("compiling run_rounds")
+    progress.advance(20)  # compiling is over: the run's name comes back
+    assert str(progress.bar).startswith("decode [speculative, batch 1/2]")
+    progress.close()
+
+
+def test_clamp_kls_leaves_no_negative_kl():
+    from jaxcert.cli._common import clamp_kls
+
+    summary = {
+        "speculative": {"mean_kl": -0.0, "mean_drafter_entropy": -0.0, "tokens": -1},
+        "rows": [{"kl": -1e-9}, {"kl": 0.25}, {"kl": None}],
+        "node_kl": -3e-7,
+    }
+    got = clamp_kls(summary)
+    assert json.dumps(got) == json.dumps({
+        "speculative": {"mean_kl": 0.0, "mean_drafter_entropy": -0.0, "tokens": -1},
+        "rows": [{"kl": 0.0}, {"kl": 0.25}, {"kl": None}],
+        "node_kl": 0.0,
+    })  # fmt: skip
+    assert summary["speculative"]["mean_kl"] == 0.0 and str(summary["node_kl"]) == "-3e-07"
+
+
+def test_decode_says_what_it_does_and_writes_no_negative_kl(files, monkeypatch, capsys):
+    """A new user saw ``"mean_kl": -0.0`` in summary.json, minutes of silence while the
+    models loaded and compiled, and one bar counting both runs without saying so."""
+    monkeypatch.setenv("JAXCERT_CACHE", str(files["root"] / "cache"))
+    real = run_report.summarize_runs
+
+    def rounded_below_zero(runs):  # a mean KL of float-rounded zeros
+        summary = real(runs)
+        summary["speculative"]["mean_kl"] = -0.0
+        return summary
+
+    monkeypatch.setattr(run_report, "summarize_runs", rounded_below_zero)
+    out = files["root"] / "out-kl"
+    assert cli.main(_argv(files, out, "--batch-size", "1")) == 0
+    text = (out / "summary.json").read_text()
+    assert '"mean_kl": 0.0,' in text and "-0.0" not in text
+    err = capsys.readouterr().err
+    assert "[jaxcert] loading target" in err and "[jaxcert] compiling the decoding programs" in err
+    for run in ("target-only, batch 1/2", "speculative, batch 1/2", "speculative, batch 2/2"):
+        assert f"decode [{run}]" in err
