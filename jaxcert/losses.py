@@ -13,8 +13,8 @@ Gradients flow to the drafter logits. The target side is a constant by default; 
 the pool and 0 elsewhere (``docs/certificates.md`` §6), implemented as a custom VJP (no
 differentiation through the solver's sort).
 
-Source: "When Is a Draft Accepted?" (2026), section 5 of the seed summary (training
-on certificate violation); ``docs/certificates.md`` §6 (sensitivities).
+Source: "When Is a Draft Accepted?" (2026), its training on certificate violation;
+``docs/certificates.md`` §6 (sensitivities).
 """
 
 from __future__ import annotations

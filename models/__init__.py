@@ -22,10 +22,10 @@ Example::
   from jaxcert import models
 
   lm = models.load("qwen2.5-coder-0.5b-instruct")
-  graphdef, state = nnx.split(lm.model)
+  graphdef, params = nnx.split(lm.model)
   cache = models.KVCache.create(lm.config, batch_size=1, max_length=512)
   step = jax.jit(models.forward, static_argnums=0, donate_argnames="cache")
-  logits, cache = step(graphdef, state, tokens, cache)   # tokens: [1, T] int32
+  logits, cache = step(graphdef, params, tokens, cache)   # tokens: [1, T] int32
   cache = cache.commit(tokens.shape[1])
 
 On several devices (`jaxcert.models.sharding`: tensor parallel over a ``"model"`` mesh axis,

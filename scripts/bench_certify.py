@@ -5,7 +5,7 @@ Times, in one run and on the same logits:
     once whatever the solver does);
   * ``jaxcert.certificate`` for each rule alone, and all rules in one ``certificates`` call;
   * the plain NumPy reference of the same spec (``jaxcert.core.reference``), per row.
-and reports the ratios. Targets (issue 2): single-token rules <= 2x the log_softmax pass,
+and reports the ratios. Targets: single-token rules <= 2x the log_softmax pass,
 tree rules <= 3x, and every rule >= 3x faster than NumPy.
 
 The logits mimic a language model's: a long Gaussian tail plus a few boosted tokens

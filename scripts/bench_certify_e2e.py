@@ -1,4 +1,4 @@
-"""End-to-end benchmark of ``jaxcert certify`` (issue 9): wall time against plain batched
+"""End-to-end benchmark of ``jaxcert certify``: wall time against plain batched
 greedy generation, prefill share and padding, positions/s, compile time with the persistent
 cache, and peak memory against run size.
 

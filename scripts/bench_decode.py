@@ -33,7 +33,7 @@ the calibrated costs alone, paired with it. ``--hf-peer`` adds Hugging Face tran
 on the same GGUF pair, same token ids, greedy, 2 threads: target-only and assisted
 generation (heuristic and constant schedules).
 
-Examples: the full protocol, and the reduced run of the table in docs/benchmarks.md::
+Examples: the full protocol, and the run of "Policies and shapes" in docs/benchmarks.md::
 
   python scripts/bench_decode.py --batch-sizes 1,4,8 --hf-peer
   python scripts/bench_decode.py --per-category 1 --max-new-tokens 64 --temperatures 0 \\

@@ -9,8 +9,8 @@ round loop). For each it prints the tokens, the seconds a token, and the excess:
 calls' seconds less their tokens at that run's target-only seconds a token. A program
 with no excess costs what target-only decoding costs; the decode's loss against
 target-only is the sum of the excesses. Compilation and a first decode of each program
-are kept out (one untimed run of both first). docs/benchmarks.md ("The best head at 128
-tokens") has a measured table.
+are kept out (one untimed run of both first). docs/benchmarks.md ("Draft heads") has a
+measured table.
 
 Example::
 

@@ -52,7 +52,7 @@ from jaxcert.models import eagle
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHAPES = ROOT / "scripts" / "shapes"
-ACCEPTANCE = ROOT / "docs" / "results" / "bench_head_128_2026-12-05.json"
+ACCEPTANCE = ROOT / "docs" / "results" / "decode_head_128.json"
 
 
 @dataclasses.dataclass(frozen=True)

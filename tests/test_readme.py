@@ -74,3 +74,82 @@ def test_readme_speaks_to_users_not_to_the_project_history():
     # The CPU caveat of speculative decoding comes with its headline, not far below it.
     decoding = text.index("## Speculative decoding")
     assert "target-only" in text[decoding : decoding + 1500]
+
+
+def _bash_commands() -> list[str]:
+    """The README's bash blocks, one command a string (comments dropped, continuations joined)."""
+    commands = []
+    for block in README.read_text().split("```bash\n")[1:]:
+        text = block.split("```", 1)[0].replace("\\\n", " ")
+        commands += [ln.strip() for ln in text.splitlines() if ln.strip() and ln[0] != "#"]
+    return commands
+
+
+def test_readme_is_short():
+    assert len(README.read_text().splitlines()) < 300
+
+
+def test_quickstart_commands_install_and_run_what_the_repository_has():
+    """Command 1 sets up and runs ``jaxcert certify`` on its defaults; command 2 is CI's."""
+    root = README.parent
+    first, second = _bash_commands()[:2]
+    setup = "python3 -m venv .venv && .venv/bin/pip install -q -e "
+    assert first == setup + ". && .venv/bin/jaxcert certify"
+    assert second.startswith(setup + "'.[test]' && ")
+    assert second in (root / ".ci" / "run").read_text().splitlines()
+    for tool in (".venv/bin/ruff check .", ".venv/bin/mypy", "pytest -q --run-slow"):
+        assert tool in second
+    pyproject = (root / "pyproject.toml").read_text()
+    assert 'jaxcert = "jaxcert.cli:main"' in pyproject
+    for extra in ('"pytest>=', '"pytest-xdist', '"ruff==', '"mypy=='):
+        assert extra in pyproject.split("[project.optional-dependencies]")[1].split("[project.")[0]
+    from jaxcert.cli import build_parser
+
+    args = build_parser().parse_args(["certify"])
+    assert args.target == "qwen2.5-coder-0.5b-instruct" and args.prompts == "mtbench"
+
+
+def test_readme_jaxcert_commands_parse():
+    """Every ``jaxcert ...`` command of the README's bash blocks is accepted by the parser."""
+    from jaxcert.cli import build_parser
+
+    parser = build_parser()
+    commands = [c for c in _bash_commands() if c.startswith("jaxcert ")]
+    assert any(c.startswith("jaxcert decode ") for c in commands)
+    for command in commands:
+        parser.parse_args(command.split()[1:])
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a markdown heading."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower().replace("`", ""))
+    return text.replace(" ", "-")
+
+
+def _anchors(path: pathlib.Path) -> set[str]:
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    return {_slug(m) for m in re.findall(r"^#+ (.+)$", text, re.M)}
+
+
+def test_every_relative_link_of_the_docs_resolves():
+    """README and docs/*.md: each relative link names a file that exists, and its anchor."""
+    pages = [README, *sorted((README.parent / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue
+            name, _, anchor = target.partition("#")
+            path = (page.parent / name).resolve() if name else page
+            if not path.exists():
+                broken.append(f"{page.name}: {target}")
+            elif anchor and path.suffix == ".md" and anchor not in _anchors(path):
+                broken.append(f"{page.name}: {target} (no such section)")
+    assert not broken, broken
+
+
+def test_docs_carry_no_dates_of_work():
+    pages = [README, *sorted((README.parent / "docs").rglob("*.md"))]
+    dated = [p.name for p in pages if re.search(r"\b20\d\d-\d\d-\d\d\b", p.read_text())]
+    assert not dated, dated

@@ -265,12 +265,12 @@ def pad_prompts(
 
     Args:
       prompts: ``B`` sequences of int token ids.
-      width: the padded width ``W`` (``None``: the longest prompt).
+      width: the padded width ``T`` (``None``: the longest prompt).
       minimum: the fewest tokens a prompt may have.
       vocab_size: ids must be in ``[0, V)`` (``None``: only ``>= 0`` is checked).
 
     Returns:
-      ``(tokens, lengths)``: ``[B, W]`` int32 (zeros after each prompt) and ``[B]`` int32.
+      ``(tokens, lengths)``: ``[B, T]`` int32 (zeros after each prompt) and ``[B]`` int32.
 
     Raises:
       ValueError: no prompts, a row that is not a sequence of integers, an id out of range,

@@ -170,7 +170,7 @@ def certified_run_length(
       ValueError: ``certificate_values`` has no time axis; ``budget`` or ``where`` has
         another rank or does not broadcast; a concrete budget that is negative or ``nan``.
 
-    Source: "When Is a Draft Accepted?" (2026), certified runs (seed summary section 4).
+    Source: "When Is a Draft Accepted?" (2026), certified runs; ``docs/certificates.md`` §7.
     """
     values = jnp.asarray(certificate_values)
     if values.ndim < 1:

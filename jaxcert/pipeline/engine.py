@@ -149,7 +149,7 @@ class Progress:
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("row_cache",))
 def _prefill_piece(state, tokens, count, row_cache, *, graphdef):
-    """Feeds ``tokens`` ``[1, C]`` (``count`` real) to a one-row cache and commits them.
+    """Feeds ``tokens`` ``[1, T]`` (``count`` real) to a one-row cache and commits them.
 
     Returns the logits ``[1, V]`` after the last real token (the lm_head runs on it only)."""
     model = nnx.merge(graphdef, state)

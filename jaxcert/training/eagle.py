@@ -8,7 +8,7 @@ an :class:`~jaxcert.training.train.Objective` (``KL(p_t || q_t)``, plus a certif
 violation term if the objective has a rule). Only the head's `TRAINABLE` parameters move
 (the embedding and lm-head it shares with the target stay).
 
-Shape letters: ``B`` sequences, ``T`` positions, ``V`` vocabulary, ``C`` the head's input
+Shape letters: ``B`` sequences, ``T`` positions, ``V`` vocabulary, ``Z`` the head's input
 width (``len(taps) * E``, or ``E`` for the target's final-norm states).
 """
 
@@ -56,7 +56,7 @@ class TargetStates:
 
     Attributes:
       tokens: ``[B, T]`` int32 sequences.
-      states: ``[B, T, C]`` the target's states the head fuses (position ``t``: after reading
+      states: ``[B, T, Z]`` the target's states the head fuses (position ``t``: after reading
         ``x_t``).
       logits: ``[B, T, V]`` float32 target logits (position ``t`` predicts ``x_{t+1}``).
       mask: ``[B, T]`` bool, positions whose next token is part of the sequence.
@@ -236,7 +236,7 @@ def unrolled_features(
 
     Args:
       head: the head.
-      tokens: ``[b, T]`` int ids; ``states`` ``[b, T, C]`` the target's states after each.
+      tokens: ``[b, T]`` int ids; ``states`` ``[b, T, Z]`` the target's states after each.
       depth: ``D >= 1``, drafted tokens a round.
 
     Raises:
@@ -306,7 +306,7 @@ def window_terms(
     Args:
       head: the head.
       batch: `HeadRecords` fields as arrays: ``tokens`` ``[b, T]``, ``states``
-        ``[b, T, C]``, ``top_logp`` / ``top_ids`` ``[b, T, K]``, ``certificate``.
+        ``[b, T, Z]``, ``top_logp`` / ``top_ids`` ``[b, T, K]``, ``certificate``.
 
     Returns:
       ``kl`` ``[b, T]`` nats, ``tv`` ``[b, T]``, ``certificate`` ``[b, T, R]`` nats and

@@ -11,8 +11,8 @@ array           shape, dtype     meaning
 ``tokens``      ``[B, T]`` i32   the sequence ``x_0 .. x_{T-1}``, right-padded with 0
 ``length``      ``[B]`` i32      valid tokens per row
 ``start``       ``[B]`` i32      first position of the reply (the trained part)
-``states``      ``[B, T, C]``    the target states the head fuses, after reading ``x_t``
-                f32              (``C = len(taps) * E``; ``E``, the final-norm state, for
+``states``      ``[B, T, Z]``    the target states the head fuses, after reading ``x_t``
+                f32              (``Z = len(taps) * E``; ``E``, the final-norm state, for
                                  ``taps == ()``)
 ``top_logp``    ``[B, T, K]``    the target's ``K`` largest log-probabilities of
                 f32              ``x_{t+1}``, descending (``p`` normalised over all V)
