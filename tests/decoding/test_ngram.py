@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny_decoding import CONFIG, MAX_NEW, WIDTH, random_model
 
 from jaxcert import decoding
 from jaxcert.decoding.ngram import (
@@ -17,6 +16,7 @@ from jaxcert.decoding.ngram import (
     match_reference,
     parse_ngram,
 )
+from tests.helpers.tiny_decoding import CONFIG, MAX_NEW, WIDTH, random_model
 
 V = CONFIG.vocab_size
 

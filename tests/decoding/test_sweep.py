@@ -14,9 +14,9 @@ import resource
 
 import numpy as np
 import pytest
-from tiny_decoding import PROMPTS
 
 from jaxcert import decoding
+from tests.helpers.tiny_decoding import PROMPTS
 
 
 def _maps() -> int:
