@@ -147,8 +147,7 @@ def compile_cache(args) -> None:
 
 _MEMORY_RUN = """
 import json, resource, sys, time
-sys.path[:0] = [{tests!r}, {tests!r} + "/models"]
-import tiny_lm
+from tests.helpers import tiny_lm
 from jaxcert import cli
 from jaxcert.cli import certify as command
 report = command._write_report
@@ -176,8 +175,10 @@ print(json.dumps({{"positions": run["positions"], "wall_s": round(time.perf_coun
 def memory(args) -> None:
     for size in (int(s) for s in args.sizes.split(",")):
         tmp = tempfile.mkdtemp(prefix="bench-mem-")
-        code = _MEMORY_RUN.format(tests=str(HERE.parent / "tests"), tmp=tmp, prompts=size // 100)
-        _emit({"mode": "memory", **_child(code, {})})
+        code = _MEMORY_RUN.format(tmp=tmp, prompts=size // 100)
+        # The repository root on the child's path, for tests.helpers.
+        path = os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")]))
+        _emit({"mode": "memory", **_child(code, {"PYTHONPATH": path})})
 
 
 def main() -> None:

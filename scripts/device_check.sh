@@ -60,14 +60,14 @@ python3 scripts/bench_certify.py --batch 4096 --dtype bfloat16 --repeats 10 --nu
 fi
 if want tests; then
 echo "== solver tests on the GPU"
-gpu_pytest 480 tests/test_jit_agreement.py tests/test_losses.py tests/test_bounds.py \
-  tests/test_certificate.py | tail -15 | tee "$OUT/tests_gpu.txt"
+gpu_pytest 480 tests/core/test_jit_agreement.py tests/core/test_losses.py \
+  tests/core/test_bounds.py tests/core/test_certificate.py | tail -15 | tee "$OUT/tests_gpu.txt"
 
 fi
 if want sharding; then
 echo "== sharding tests (virtual CPU devices)"
 JAX_PLATFORMS=cpu timeout 240 python3 -m pytest -q -x -p no:cacheprovider -o addopts="" \
-  tests/test_sharding.py 2>&1 | tail -8 | tee "$OUT/tests_sharding.txt"
+  tests/core/test_sharding.py 2>&1 | tail -8 | tee "$OUT/tests_sharding.txt"
 fi
 if want decode; then
 echo "== decoder passes on the GPU (random weights of the real shapes, bfloat16)"

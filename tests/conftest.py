@@ -1,20 +1,12 @@
-"""Shared test set-up: make the helper modules in tests/ (and tests/models/) importable."""
+"""Shared test set-up: XLA flags, the --run-slow option, fixtures (helpers: tests.helpers)."""
 
 import atexit
 import json
 import os
-import pathlib
 import shutil
-import sys
 import tempfile
 
 import pytest
-
-_HERE = pathlib.Path(__file__).resolve().parent
-# Appended, not prepended: tests/models must never shadow the real `models` package.
-for folder in (_HERE, _HERE / "models"):
-    if str(folder) not in sys.path:
-        sys.path.append(str(folder))
 
 # The suite is mostly XLA compilation of tiny programs: cheaper CPU code generation (no
 # LLVM optimisation, no expensive passes: a fifth off the suite; XLA's older loop emitters
@@ -93,7 +85,7 @@ def _free_compiled_programs():
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    import tiny_lm
+    from tests.helpers import tiny_lm
 
     return tiny_lm.save_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt")
 
@@ -101,7 +93,7 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def prompt_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
-    import tiny_lm
+    from tests.helpers import tiny_lm
 
     texts = tiny_lm.TEXTS
     lines = [json.dumps({"id": f"p{i}", "prompt": t, "category": "c"}) for i, t in enumerate(texts)]

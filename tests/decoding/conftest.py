@@ -10,10 +10,10 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from tiny_decoding import CONFIG, MAX_NEW, PROMPTS, WIDTH, random_model
 
 from jaxcert import decoding
 from jaxcert.base.programs import default_programs
+from tests.helpers.tiny_decoding import CONFIG, MAX_NEW, PROMPTS, WIDTH, random_model
 
 # Compilation dominates these tests (tiny models, a dozen decoder configurations) and LLVM's
 # optimisations buy nothing at this size: -O0 halves the decoders' compile time.

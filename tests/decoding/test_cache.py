@@ -7,7 +7,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from tiny_decoding import MAX_NEW, PROMPTS, WIDTH
 
 from jaxcert import decoding
 from jaxcert.base.programs import default_programs
@@ -17,6 +16,7 @@ from jaxcert.decoding.config import Sizes, bucket
 from jaxcert.decoding.policies import PolicyParams
 from jaxcert.decoding.state import Settings
 from jaxcert.models import KVCache, forward
+from tests.helpers.tiny_decoding import MAX_NEW, PROMPTS, WIDTH
 
 
 @functools.partial(jax.jit, static_argnames=("graph", "slots"))

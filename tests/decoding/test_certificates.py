@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from tiny_decoding import MAX_NEW, PROMPTS, WIDTH
 
 from jaxcert import decoding
 from jaxcert.decoding.verify import in_accepted_set
 from jaxcert.models import KVCache, forward
+from tests.helpers.tiny_decoding import MAX_NEW, PROMPTS, WIDTH
 
 RUNS = [
     ("similar", dict(verify="greedy", max_draft=6, buckets=(2, 4, 6))),

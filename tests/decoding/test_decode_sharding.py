@@ -12,16 +12,16 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import AxisType
-from multidevice import run
-from tiny_decoding import MAX_NEW, PROMPTS, WIDTH
 
 from jaxcert import decoding, models
+from tests.helpers.multidevice import run
+from tests.helpers.tiny_decoding import MAX_NEW, PROMPTS, WIDTH
 
 _PRELUDE = """
 from jaxcert import decoding
 from jaxcert.decoding import loop
-from tiny_decoding import random_model
-from tiny_models import tiny_config
+from tests.helpers.tiny_decoding import random_model
+from tests.helpers.tiny_models import tiny_config
 
 default_programs().compiler_options["xla_backend_optimization_level"] = 0
 CONFIG = tiny_config(vocab_size=64, num_kv_heads=4)

@@ -11,7 +11,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny_decoding import CONFIG, MAX_NEW, PROMPTS, WIDTH, random_model
 
 from jaxcert import decoding
 from jaxcert.decoding import costs as costs_lib
@@ -20,6 +19,7 @@ from jaxcert.decoding import policies as P
 from jaxcert.decoding.costs import PassCosts
 from jaxcert.decoding.goodput import GoodputController
 from jaxcert.decoding.pairing import resolved_config
+from tests.helpers.tiny_decoding import CONFIG, MAX_NEW, PROMPTS, WIDTH, random_model
 
 # Verification as dear as drafting buys: a plain step (1 s) beats drafting at the prior
 # rate, but once a probe round has paid the re-read, drafting pays (see _mixed_choices).

@@ -3,10 +3,10 @@
 import jax
 import numpy as np
 import pytest
-from tiny_decoding import MAX_NEW, PROMPTS, WIDTH
 
 from jaxcert import decoding
 from jaxcert.decoding import run_report
+from tests.helpers.tiny_decoding import MAX_NEW, PROMPTS, WIDTH
 
 POLICIES = ["constant:3", "heuristic", "confidence:0.4", "svip:0.3", "cert:1"]
 SHAPES = {
@@ -81,7 +81,7 @@ def test_batch_rows_match_rows_decoded_alone(target, drafters, run_cache):
 
 
 def test_vocabulary_mismatch_is_a_clear_error(target):
-    from tiny_decoding import CONFIG, random_model
+    from tests.helpers.tiny_decoding import CONFIG, random_model
 
     small = random_model(CONFIG.__class__(**{**CONFIG.__dict__, "vocab_size": 40}), seed=3)
     with pytest.raises(ValueError, match="target has 48 .* drafter 40"):
@@ -203,7 +203,7 @@ def test_decoding_past_the_context_length_is_refused_before_compiling():
     tokens at positions past the model's range, speculative and target-only."""
     import dataclasses
 
-    from tiny_decoding import CONFIG, random_model
+    from tests.helpers.tiny_decoding import CONFIG, random_model
 
     short = random_model(dataclasses.replace(CONFIG, max_position_embeddings=32), seed=3)
     prompt = [list(range(1, 31))]

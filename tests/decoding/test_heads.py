@@ -15,11 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx, struct
-from tiny_decoding import CONFIG, MAX_NEW, PROMPTS, random_model
 
 from jaxcert import decoding
 from jaxcert.decoding.protocols import FeatureDrafter, context_before, reads_target
 from jaxcert.models import EagleHead
+from tests.helpers.tiny_decoding import CONFIG, MAX_NEW, PROMPTS, random_model
 
 V, E = CONFIG.vocab_size, CONFIG.hidden_size
 

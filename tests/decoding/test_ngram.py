@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny_decoding import CONFIG, MAX_NEW, WIDTH, random_model
 
 from jaxcert import decoding
 from jaxcert.decoding.ngram import (
@@ -18,6 +17,7 @@ from jaxcert.decoding.ngram import (
     parse_ngram,
 )
 from jaxcert.decoding.pairing import resolved_config
+from tests.helpers.tiny_decoding import CONFIG, MAX_NEW, WIDTH, random_model
 
 V = CONFIG.vocab_size
 

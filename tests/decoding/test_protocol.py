@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 from flax import nnx, struct
 from jax import lax
-from tiny_decoding import CONFIG, MAX_NEW, PROMPTS, random_model
 
 from jaxcert import decoding
 from jaxcert.decoding.protocols import Cache, DecoderModel
+from tests.helpers.tiny_decoding import CONFIG, MAX_NEW, PROMPTS, random_model
 
 V, E = CONFIG.vocab_size, 16
 NO_TOKEN = -1  # the token "before" position 0

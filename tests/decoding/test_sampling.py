@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 from flax import nnx
 from scipy import stats
-from tiny_decoding import CONFIG, random_model
 
 from jaxcert import decoding
 from jaxcert.decoding.verify import sampling_log_probs
 from jaxcert.models import EagleHead, KVCache, forward
+from tests.helpers.tiny_decoding import CONFIG, random_model
 
 SMALL = CONFIG.__class__(**{**CONFIG.__dict__, "vocab_size": 8})
 PROMPT = [1, 2, 3]

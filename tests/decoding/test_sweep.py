@@ -14,10 +14,10 @@ import resource
 
 import numpy as np
 import pytest
-from tiny_decoding import PROMPTS
 
 from jaxcert import decoding
 from jaxcert.base.programs import default_programs
+from tests.helpers.tiny_decoding import PROMPTS
 
 
 def _maps() -> int:

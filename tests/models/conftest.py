@@ -6,7 +6,8 @@ import os
 import pathlib
 
 import pytest
-import tiny_models  # importable through tests/conftest.py
+
+from tests.helpers import tiny_models
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import tiny_models
 from flax import nnx
 
 from jaxcert.models import EagleHead, KVCache, forward
@@ -16,6 +15,7 @@ from jaxcert.models.eagle import (
     save_head,
     target_features,
 )
+from tests.helpers import tiny_models
 
 CONFIG = tiny_models.tiny_config(num_layers=3)
 V, E = CONFIG.vocab_size, CONFIG.hidden_size

@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import tiny_models
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
@@ -15,6 +14,7 @@ from jaxcert.decoding.protocols import context_before
 from jaxcert.models import EagleHead
 from jaxcert.models.eagle import OOV_INIT_MASS, load_head, save_head
 from jaxcert.models.eagle3 import engine_format, export_head, import_head, read_head
+from tests.helpers import tiny_models
 
 torch = pytest.importorskip("torch")
 

@@ -4,10 +4,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import tiny_models
 from flax import nnx
 
 from jaxcert.models import KVCache, forward
+from tests.helpers import tiny_models
 
 CONFIG = tiny_models.tiny_config()
 S = 24

@@ -8,11 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import tiny_models
 from flax import nnx
 
 from jaxcert.models import KVCache, forward, load_gguf, load_hf
 from jaxcert.models.export import hf_config_dict, save_hf
+from tests.helpers import tiny_models
 
 STEP = jax.jit(forward, static_argnums=0)
 TOKENS = np.random.default_rng(3).integers(0, 64, (2, 9)).astype(np.int32)

@@ -9,12 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import tiny_models
 from flax import nnx
 
 import jaxcert.models.gguf as gguf_module
 from jaxcert.models import KVCache, forward, load_gguf
 from jaxcert.models._weights import model_from_tensors
+from tests.helpers import tiny_models
 
 Q = gguf.GGMLQuantizationType
 STEP = jax.jit(forward, static_argnums=0)

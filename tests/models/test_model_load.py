@@ -9,12 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import safetensors.numpy
-import tiny_models
 from flax import nnx
 
 from jaxcert import models
 from jaxcert.base import assets
 from jaxcert.models import KVCache, forward, load, load_hf
+from tests.helpers import tiny_models
 
 STEP = jax.jit(forward, static_argnums=0)
 TOKENS = np.random.default_rng(0).integers(0, 64, (1, 7)).astype(np.int32)

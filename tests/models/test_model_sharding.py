@@ -11,11 +11,11 @@ import pytest
 from flax import nnx
 from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
-from multidevice import run
-from tiny_models import random_model, tiny_config
 
 from jaxcert import models
 from jaxcert.models import sharding
+from tests.helpers.multidevice import run
+from tests.helpers.tiny_models import random_model, tiny_config
 
 MESH = AbstractMesh((2, 4), ("data", "model"))
 
@@ -111,7 +111,7 @@ def test_one_device_mesh_gives_the_same_logits():
 
 
 _SHARD_SNIPPET = """
-from tiny_models import random_model, tiny_config
+from tests.helpers.tiny_models import random_model, tiny_config
 
 mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=AUTO)
 step = jax.jit(models.forward, static_argnums=0)
@@ -182,7 +182,7 @@ _LOAD_SNIPPET = """
 import pathlib
 import tempfile
 
-import tiny_models
+from tests.helpers import tiny_models
 from jaxcert.models import sharding
 
 # Record every placement: each callback (one per distinct shard) returns only its own slice.

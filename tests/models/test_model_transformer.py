@@ -6,11 +6,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import tiny_models
 from flax import nnx
 
 from jaxcert.models import KVCache, Transformer, forward, truncate
 from jaxcert.models.transformer import apply_rope, rope_angles
+from tests.helpers import tiny_models
 
 CONFIG = tiny_models.tiny_config(architecture="llama", o_bias=True)
 STEP = jax.jit(forward, static_argnums=0)

@@ -4,10 +4,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from tiny_models import tiny_config
 
 from jaxcert.models import Transformer
 from jaxcert.models.transformer import truncate
+from tests.helpers.tiny_models import tiny_config
 
 
 def test_taps_are_the_residual_stream_of_truncated_models():

@@ -1,0 +1,1 @@
+"""The test suite, a package mirroring jaxcert: tests.<subpackage>, and tests.helpers."""

@@ -1,0 +1,1 @@
+"""Tests of the command line, jaxcert.cli (decode, export, train-drafter options)."""

@@ -1,0 +1,1 @@
+"""Tests of jaxcert.core (certificates, rules, bounds) and jaxcert.losses."""

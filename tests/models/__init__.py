@@ -1,0 +1,1 @@
+"""Tests of jaxcert.models (the top-level folder models/)."""

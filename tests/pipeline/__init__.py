@@ -1,0 +1,1 @@
+"""Tests of jaxcert.pipeline (certify, certify-logits, records, mesh, multi-host)."""
