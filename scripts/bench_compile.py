@@ -27,6 +27,7 @@ from flax import nnx  # noqa: E402
 from jaxcert.base import assets  # noqa: E402
 from jaxcert.decoding import config as config_lib  # noqa: E402
 from jaxcert.decoding import loop, policies  # noqa: E402
+from jaxcert.decoding.drafters import ModelDrafter
 from jaxcert.decoding.state import Settings  # noqa: E402
 from jaxcert.models import ModelConfig, Transformer  # noqa: E402
 from jaxcert.models.gguf import read_gguf  # noqa: E402
@@ -100,7 +101,7 @@ def main(argv=None) -> int:
             collect_stats=not args.no_stats,
         ).shape_only()
         sizes = config_lib.Sizes.for_prompts(w, cfg, config_lib.bucket(args.max_new_tokens))
-        graphdefs = dict(t_graphdef=t_graphdef, d_graphdef=d_graphdef, config=cfg)
+        graphdefs = dict(t_graphdef=t_graphdef, drafter=ModelDrafter(d_graphdef), config=cfg)
         lo1, c1, pre = _timed(
             loop.prefill, options, t_params, d_params, prompt, lengths, params, key, settings,
             sizes=sizes, **graphdefs,

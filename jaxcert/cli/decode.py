@@ -356,10 +356,10 @@ def _decode(args, target, drafter, encoded, policy, config, goodput=None) -> dic
     import jax
 
     from jaxcert import decoding
-    from jaxcert.decoding.config import bucket
+    from jaxcert.decoding.config import prompt_room
 
     key = jax.random.key(args.seed)
-    width = bucket(max(len(e) for e in encoded))  # one program for every batch
+    width = prompt_room(max(len(e) for e in encoded))  # one program for every batch
     progress = DecodeProgress(len(encoded) * args.max_new_tokens * (1 if args.no_baseline else 2))
     runs: dict[str, list] = {"target": [], "speculative": []}
     common: dict[str, Any] = {"prompt_width": width, "on_compile": progress.compiling}

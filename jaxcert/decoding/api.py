@@ -106,7 +106,10 @@ def speculative_decode(
       policy: the draft-length policy (:func:`~jaxcert.decoding.policies.parse_policy`).
       config: a :class:`~jaxcert.decoding.config.DecodeConfig`.
       key: PRNG key (sampling); default ``jax.random.key(0)``.
-      prompt_width: pad prompts to this width (share one compilation across batches).
+      prompt_width: the prompts' room in the caches, ``>=`` the longest prompt (default:
+        :func:`~jaxcert.decoding.config.prompt_room`, a multiple of 512: prompts up to 512
+        tokens share every program); the prefill reads the prompts in 64-token chunks
+        when it is a multiple of 64, else in one pass of this width.
       progress: called with the number of new output tokens after every call.
       mesh: run on this ``jax.sharding.Mesh`` (``Auto`` axes); default: the mesh the models
         live on, if any.

@@ -42,6 +42,23 @@ def bucket(n: int, minimum: int = 16) -> int:
     return round_up(n, max(minimum, 2 ** (n.bit_length() - 3)))
 
 
+PROMPT_ROOM = 512
+
+
+def prompt_room(n: int) -> int:
+    """The default prompt width for prompts of up to ``n`` tokens: a multiple of
+    :data:`PROMPT_ROOM`, so prompts of different lengths (up to 512 tokens, then each 512
+    more) share one compiled program; the prefill reads only the 64-token chunks the
+    prompts fill (:func:`jaxcert.decoding.loop.prefill_chunk`), so the room costs the
+    prefill nothing, and a decode step's attention over the wider cache little.
+
+    >>> [prompt_room(n) for n in (1, 512, 513)]
+    [512, 512, 1024]
+    """
+    check_int("n", n)
+    return round_up(n, PROMPT_ROOM)
+
+
 def check_sampling(temperature: float, top_p: float) -> None:
     """Raises ``ValueError`` unless ``temperature`` is finite, ``>= 0``, and ``top_p`` in (0, 1]."""
     check_float("temperature", temperature)

@@ -34,10 +34,10 @@ import numpy as np
 from flax import nnx
 
 from jaxcert.base.paths import cache_dir
+from jaxcert.decoding import drafters
 from jaxcert.decoding import tree as tree_lib
 from jaxcert.decoding.config import DecodeConfig
 from jaxcert.decoding.policies import RoundCosts
-from jaxcert.decoding.protocols import reads_target
 
 __all__ = [
     "PassCosts",
@@ -490,23 +490,14 @@ def measure(
         drafter_s = 0.0  # a lookup: integer compares, no weights (measured as negligible)
     else:
         d_graph, d_params = nnx.split(d_model)
+        step = drafters.for_model(d_graph, d_model).step  # what a round's draft steps run
         cache = d_model.init_cache(d_rows, slots).commit(context)
-        tokens = jnp.ones((d_rows, 1), jnp.int32)
-        if reads_target(d_model):
-            width = d_model.config.hidden_size
+        tokens = jnp.ones((d_rows,), jnp.int32)
+        parent = jnp.zeros((d_rows, d_model.config.hidden_size), jnp.float32)
 
-            @jax.jit
-            def d_pass(params, tokens, cache):
-                head = nnx.merge(d_graph, params)
-                ctx = jnp.zeros(tokens.shape + (width,), jnp.float32)
-                hidden, _ = head.features(tokens, cache, context=ctx)
-                return head.project(hidden)
-
-        else:
-
-            @jax.jit
-            def d_pass(params, tokens, cache):
-                return nnx.merge(d_graph, params)(tokens, cache)[0]
+        @jax.jit
+        def d_pass(params, tokens, cache):
+            return step(params, tokens, cache, parent)[0]
 
         drafter_s = _median_s(d_pass, d_params, tokens, cache, repeats=repeats)
         if log is not None:

@@ -22,25 +22,24 @@ from jax import lax
 
 from jaxcert.decoding import policies as policies_lib
 from jaxcert.decoding import tree as tree_lib
+from jaxcert.decoding.drafters.base import Drafter
 from jaxcert.decoding.protocols import Cache
 from jaxcert.decoding.state import DraftTree, PolicyState
 from jaxcert.decoding.verify import sampling_log_probs
-from jaxcert.models.transformer import forward as _forward
 
 __all__ = ["draft"]
 
 
-def _reread(graphdef, params, cache, tokens, start, length, widths, m, context):
+def _reread(drafter, params, cache, tokens, start, length, widths, m, context):
     """Step 0: rolls back to ``start``, reads ``s[start:length)``; root logits ``[B, V]`` and
     the last real position's hidden state ``[B, E]``.
 
     The pass takes the narrowest of the static ``widths`` that holds every row's tokens:
     one token after a rejection, the usual re-read after a round that drafted, the widest
     after rounds that skipped the drafter. Only the last real position goes through the
-    lm-head (the model's ``features`` and ``project``). A draft head reads each token with
-    the target's states before it (``context`` ``[B, width, C]``, fused by the head).
+    lm-head (the drafter's ``read`` and ``project``). A drafter that reads the target's
+    states reads each token with those before it (``context`` ``[B, width, Z]``).
     """
-    model = nnx.merge(graphdef, params)
     count = length - start
     if m > 1:  # one virtual row per row reads; the others get copies
         cache = cache.take_rows(jnp.arange(tokens.shape[0], dtype=jnp.int32) * m)
@@ -49,10 +48,8 @@ def _reread(graphdef, params, cache, tokens, start, length, widths, m, context):
     def read(w):
         def run(cache):
             window = jax.vmap(lambda row, s: lax.dynamic_slice_in_dim(row, s, w))(tokens, start)
-            if context is None:
-                hidden, cache = model.features(window, cache)
-            else:
-                hidden, cache = model.features(window, cache, context=model.fuse(context[:, :w]))
+            states = None if context is None else context[:, :w]
+            hidden, cache = drafter.read(params, window, cache, states)
             return jnp.take_along_axis(hidden, (count - 1)[:, None, None], axis=1)[:, 0], cache
 
         return run
@@ -64,18 +61,7 @@ def _reread(graphdef, params, cache, tokens, start, length, widths, m, context):
     else:
         last, cache = read(widths[0])(cache)
     cache = cache.commit(count)
-    return model.project(last), last, (cache.repeat(m) if m > 1 else cache)
-
-
-def _step(graphdef, params, tokens, cache, context):
-    """One drafted token per virtual row: ``[BM]`` tokens -> ``[BM, V]`` logits, the
-    ``[BM, E]`` hidden states a head's children read (``None`` for a language model)."""
-    if context is None:
-        logits, cache = _forward(graphdef, params, tokens[:, None], cache)
-        return logits[:, 0], None, cache
-    model = nnx.merge(graphdef, params)
-    hidden, cache = model.features(tokens[:, None], cache, context=context[:, None])
-    return model.project(hidden[:, 0]), hidden[:, 0], cache
+    return drafter.project(params, last), last, (cache.repeat(m) if m > 1 else cache)
 
 
 def _log_q(q):
@@ -173,7 +159,7 @@ def _grow_dynamic(q, frontier, go, nodes, depth):
 
 
 def draft(
-    graphdef: nnx.GraphDef,
+    drafter: Drafter,
     params: nnx.State,
     cache: Cache,
     *,
@@ -192,12 +178,12 @@ def draft(
     top_p: jax.typing.ArrayLike,
     context: jax.Array | None = None,
     need: jax.Array | None = None,
-    proposes: bool = False,
 ) -> tuple[DraftTree, Cache]:
     """Drafts one tree (or chain) per row.
 
     Args:
-      graphdef, params: the drafter.
+      drafter, params: the drafter (:class:`~jaxcert.decoding.drafters.base.Drafter`) and
+        its parameters.
       cache: the drafter's cache, ``B * M`` rows.
       tokens: ``[B, S]`` the sequences; ``length`` ``[B]`` their lengths ``n``.
       start: ``[B]`` first index to re-read (``n - start <= width``).
@@ -210,13 +196,11 @@ def draft(
         that holds every row's new tokens.
       sampling, temperature, top_p: draw instead of taking the drafter's top choices
         (temperature and top-p: scalars, traced).
-      context: for a draft head, ``[B, width, C]`` the target's states before the re-read
-        tokens (``DecodeState.drafter_context``); ``None`` for a language model.
+      context: ``[B, width, Z]`` the target's states before the re-read tokens
+        (``DecodeState.drafter_context``) for a drafter that reads them, else ``None``.
       need: ``[B]`` float32 tokens each row still has to write (0: done): ``goodput`` then
         weighs the batch's finishing time (``docs/goodput.md``); ``None``: its total
         tokens per second.
-      proposes: static, the drafter proposes tokens (``DecodeConfig.proposes_tokens``):
-        the policy reads each proposal's match length from its logits.
 
     Returns:
       ``(tree, cache)``: the :class:`DraftTree` and the drafter cache (garbage past ``n``).
@@ -225,11 +209,13 @@ def draft(
     dynamic = isinstance(shape, tree_lib.DynamicTree)
     b = tokens.shape[0]
     rows = jnp.arange(b)
+    proposes = drafter.proposes_tokens  # the policy reads a proposal's match length
     q_root, h_root, cache = _reread(
-        graphdef, params, cache, tokens, start, length, widths, m, context
+        drafter, params, cache, tokens, start, length, widths, m, context
     )
-    # A head reads each drafted token with its parent's hidden output ([B, M, E]).
-    f_ctx = None if context is None else jnp.broadcast_to(h_root[:, None], (b, m, h_root.shape[-1]))
+    # Each drafted token's step gets its parent's hidden output ([B, M, E]): a head reads
+    # it, a language model ignores it.
+    f_ctx = jnp.broadcast_to(h_root[:, None], (b, m, h_root.shape[-1]))
     key, sub = jax.random.split(key)
     tok, logq, valid = _first_children(sub, q_root, m, sampling, temperature, top_p)
     feats = policies_lib.drafter_features(q_root, proposes)
@@ -252,8 +238,8 @@ def draft(
         if dynamic:  # each frontier slot's row takes its parent's ancestors
             src = (rows[:, None] * m + parent_slot).reshape(-1)
             cache = cache.copy_segments(src, seg_start, max_depth)
-        ctx = None if f_ctx is None else f_ctx.reshape(b * m, -1)
-        logits, hidden, cache = _step(graphdef, params, frontier[0].reshape(b * m), cache, ctx)
+        parent = f_ctx.reshape(b * m, -1)
+        logits, hidden, cache = drafter.step(params, frontier[0].reshape(b * m), cache, parent)
         cache = cache.commit(1)
         q = logits.reshape(b, m, -1)
         q_buf = lax.dynamic_update_slice_in_dim(q_buf, q, 1 + (depth - 1) * m, axis=1)
@@ -267,11 +253,9 @@ def draft(
             nodes, frontier = _grow_static(
                 sub, q, frontier, go, nodes, depth, sampling, temperature, top_p
             )
-        if hidden is not None:  # the new frontier's parents: slot i (static), parent_slot
-            hidden = hidden.reshape(b, m, -1)
-            f_ctx = (
-                jnp.take_along_axis(hidden, parent_slot[..., None], axis=1) if dynamic else hidden
-            )
+        # The new frontier's parents: slot i (static trees), parent_slot (dynamic).
+        hidden = hidden.reshape(b, m, -1)
+        f_ctx = jnp.take_along_axis(hidden, parent_slot[..., None], axis=1) if dynamic else hidden
         feats = policies_lib.drafter_features(q[rows, best], proposes)
         more, survival = policies_lib.should_continue(
             policy, policy_state, feats, one * (depth + 1), survival, jnp.any(frontier[2], -1),

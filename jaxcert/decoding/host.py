@@ -23,7 +23,7 @@ from jaxcert.base.prompts import pad_prompts
 from jaxcert.decoding import loop
 from jaxcert.decoding import node_stats as stats_lib
 from jaxcert.decoding import policies as policies_lib
-from jaxcert.decoding.config import DecodeConfig, Sizes, bucket
+from jaxcert.decoding.config import DecodeConfig, Sizes, bucket, prompt_room
 from jaxcert.decoding.goodput import GoodputRun
 from jaxcert.decoding.pairing import Pair, place_prompts, replicated
 from jaxcert.decoding.state import RoundStats, Settings
@@ -58,8 +58,8 @@ class Batch:
     ) -> Batch:  # fmt: skip
         """Validates the prompts (at least 2 tokens each with a drafter, 1 without) and the
         context length of ``models_`` and places them; without ``prompt_width`` the width
-        is the longest prompt's :func:`~jaxcert.decoding.config.bucket`, so batches of
-        similar prompts share one program."""
+        is :func:`~jaxcert.decoding.config.prompt_room` of the longest prompt, so prompts
+        of any length up to 512 tokens share one program."""
         minimum = 1 if config is None else 2
         _, lengths = pad_prompts(
             prompts, width=prompt_width, minimum=minimum, vocab_size=vocab_size
@@ -69,7 +69,7 @@ class Batch:
             models_, prompt_tokens=longest, new_tokens=max_new_tokens,
             draft_positions=0 if config is None else config.depth,
         )  # fmt: skip
-        width = prompt_width if prompt_width is not None else bucket(longest)
+        width = prompt_width if prompt_width is not None else prompt_room(longest)
         prompt, lengths = place_prompts(prompts, width, minimum, vocab_size, placement)
         settings = Settings.create(max_new_tokens, temperature, top_p, eos_ids)
         key = jax.random.key(0) if key is None else key
@@ -112,43 +112,31 @@ def compile_speculative(
     ``goodput`` may skip, its plan and plain-step programs."""
     static = pair.config.shape_only()  # budget, end tokens, temperature and top-p are traced
     t0, before = time.perf_counter(), programs.compiled
-    graphdefs = {"t_graphdef": pair.t_graphdef, "d_graphdef": pair.d_graphdef}
-    pre_args = (
-        pair.t_params, pair.d_params, batch.prompt, batch.lengths, params, batch.key,
-        batch.settings,
-    )  # fmt: skip
-    pre = programs.compile(
-        loop.prefill, pre_args, graphdefs | {"config": static, "sizes": batch.sizes}, on_compile
-    )
-    run_args = (pair.t_params, pair.d_params, pre.out_info, params)
-    run = programs.compile(loop.run_rounds, run_args, graphdefs | {"config": static}, on_compile)
-    t, d = pair.t_params, pair.d_params
+    t, d, drafter = pair.t_params, pair.d_params, pair.drafter
+    kinds = {"t_graphdef": pair.t_graphdef, "drafter": drafter, "config": static}
+    pre_args = (t, d, batch.prompt, batch.lengths, params, batch.key, batch.settings)
+    pre = programs.compile(loop.prefill, pre_args, kinds | {"sizes": batch.sizes}, on_compile)
+    run = programs.compile(loop.run_rounds, (t, d, pre.out_info, params), kinds, on_compile)
     plan = steps = None
     handles: dict = {"rounds": (run,), "steps": ()}
     if loop.hands_off(static):  # goodput's plain steps run in the target-only program
-        # A proposing drafter is read before every round and after every plain step.
-        looks = static.proposes_tokens
-        look = {"d_graphdef": pair.d_graphdef} if looks else {}
         plan_program = programs.compile(
-            loop.skip_next, (params, pre.out_info, *((d,) if looks else ())),
-            {"config": static} | look, on_compile,
+            loop.skip_next, (params, pre.out_info, d), {"config": static, "drafter": drafter},
+            on_compile,
         )  # fmt: skip
         steps_kw = {
-            "graphdef": pair.t_graphdef,
-            "steps": static.skips,
-            "sampling": static.verification.sampling,
-            "taps": static.head_taps,  # a draft head's context gains each step's states
-        } | (look | {"config": static} if looks else {})
+            "graphdef": pair.t_graphdef, "steps": static.skips,
+            "sampling": static.verification.sampling, "drafter": drafter, "config": static,
+        }  # fmt: skip
         steps_program = programs.compile(
-            loop.run_target_steps, (t, pre.out_info, *((d, params) if looks else ())),
-            steps_kw, on_compile,
-        )  # fmt: skip
+            loop.run_target_steps, (t, pre.out_info, d, params), steps_kw, on_compile
+        )
 
         def plan(params, state):
-            return plan_program(params, state, *((d,) if looks else ()))
+            return plan_program(params, state, d)
 
         def steps(params, state):
-            return steps_program(t, state, *((d, params) if looks else ()))
+            return steps_program(t, state, d, params)
 
         handles = {"rounds": (run, plan_program), "steps": (plan_program, steps_program)}
     return Compiled(

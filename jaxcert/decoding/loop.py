@@ -33,7 +33,7 @@ from jaxcert.decoding import policies as policies_lib
 from jaxcert.decoding import tree as tree_lib
 from jaxcert.decoding.config import DecodeConfig, Sizes
 from jaxcert.decoding.draft import draft
-from jaxcert.decoding.protocols import Cache, context_before
+from jaxcert.decoding.drafters.base import Drafter, read_chunks
 from jaxcert.decoding.state import DecodeState, RoundStats, Settings
 from jaxcert.decoding.verify import in_accepted_set, sample_tree, sampling_log_probs
 from jaxcert.models.eagle import target_features
@@ -51,36 +51,55 @@ __all__ = [
 ]
 
 
-def _read_prompt(graphdef, params, prompt, slots) -> Cache:
-    """The model's own cache with the ``[B, T]`` prompt read into it (nothing committed)."""
-    cache = nnx.merge(graphdef, params).init_cache(prompt.shape[0], slots)
-    return _forward(graphdef, params, prompt, cache)[1]
+def prefill_chunk(width: int) -> int:
+    """The static chunk a prefill reads the prompts in: 64 tokens, or the whole width when
+    it is not a multiple of 64 (a prompt width the caller chose)."""
+    return PREFILL_CHUNK if width % PREFILL_CHUNK == 0 else width
+
+
+PREFILL_CHUNK = 64
+
+
+def _read_prompt(graphdef, params, prompt, lengths, slots, taps=None):
+    """The target's cache after reading the ``[B, W]`` prompt in chunks of
+    :func:`prefill_chunk` tokens, only as many as the longest prompt needs (so a wide
+    prompt room costs no more than the prompts themselves), nothing committed past
+    ``lengths - 1``; with ``taps`` also the ``[B, W, Z]`` states a draft head reads."""
+    model = nnx.merge(graphdef, params)
+    b, w = prompt.shape
+    chunk = prefill_chunk(w)
+    cache = model.init_cache(b, slots)
+    if taps is None:
+        read = lambda window, _, cache: model.features(window, cache)[1]  # noqa: E731
+        return read_chunks(prompt, lengths, chunk, read, cache).rollback(lengths - 1), None
+    # The first chunk outside the loop: it gives the states' width and dtype.
+    _, cache, first = target_features(model, prompt[:, :chunk], cache, taps)
+    states = jnp.zeros((b, w, first.shape[-1]), first.dtype)
+    states = lax.dynamic_update_slice_in_dim(states, first, 0, axis=1)
+    count = -(-jnp.max(lengths) // chunk)
+
+    def body(carry):
+        i, cache, states = carry
+        window = lax.dynamic_slice_in_dim(prompt, i * chunk, chunk, axis=1)
+        _, cache, got = target_features(model, window, cache, taps)
+        states = lax.dynamic_update_slice_in_dim(states, got, i * chunk, axis=1)
+        return i + 1, cache.commit(chunk), states
+
+    init = (jnp.asarray(1, jnp.int32), cache.commit(chunk), states)
+    _, cache, states = lax.while_loop(lambda c: c[0] < count, body, init)
+    return cache.rollback(lengths - 1), states
 
 
 def _target_pass(graphdef, params, tokens, cache, taps, **kwargs):
-    """The target's ``[B, T, V]`` logits and cache, and for a draft head (``taps`` not
-    ``None``) the states it reads, ``[B, T, C]`` (the final-norm hidden states for ``()``)."""
+    """The target's ``[B, T, V]`` logits and cache, and for a drafter that reads its states
+    (``taps`` not ``None``) those states, ``[B, T, Z]`` (the final-norm hidden states for
+    ``()``)."""
     if taps is None:
         logits, cache = _forward(graphdef, params, tokens, cache, **kwargs)
         return logits, cache, None
     model = nnx.merge(graphdef, params)
     hidden, cache, states = target_features(model, tokens, cache, taps, **kwargs)
     return model.project(hidden), cache, states
-
-
-def _prefill_head(d_graphdef, d_params, prompt, lengths, states, slots, width):
-    """A draft head reads the prompt, token ``t`` with the target's states at ``t - 1``, and
-    keeps all but the last token (re-read in the first round with ``states[n - 2]``).
-
-    Returns its cache (``lengths - 1`` committed) and the ``[B, width, C]`` context.
-    """
-    head = nnx.merge(d_graphdef, d_params)
-    before = context_before(head, states)  # [B, T, E]
-    _, cache = head.features(prompt, head.init_cache(prompt.shape[0], slots), context=before)
-    rows = jnp.arange(prompt.shape[0])
-    context = jnp.zeros((prompt.shape[0], width, states.shape[-1]), states.dtype)
-    context = context.at[:, 0].set(states[rows, lengths - 2])
-    return cache.commit(lengths - 1), context
 
 
 _PER_ROW = ("tokens", "length", "prompt_length", "done", "drafter_start", "drafter_context")
@@ -119,8 +138,8 @@ def _layout(graphdef, params):
 def _initial_state(
     prompt, lengths, key, settings, sizes, target_cache, drafter, policy, drafter_start=None
 ):
-    """The :class:`DecodeState` after prefill (the target has read all but the last token);
-    ``drafter`` is ``(cache, context)`` or ``None``."""
+    """The :class:`DecodeState` after prefill (the target's cache holds all but the last
+    token); ``drafter`` is ``(cache, context)`` or ``None``."""
     b, t = prompt.shape
     tokens = jnp.full((b, sizes.sequence), DecodeState.PAD, jnp.int32).at[:, :t].set(prompt)
     d_cache, d_context = (None, None) if drafter is None else drafter
@@ -130,7 +149,7 @@ def _initial_state(
         prompt_length=lengths,
         done=jnp.zeros((b,), bool),
         drafter_start=lengths - 2 if drafter_start is None else drafter_start,
-        target_cache=target_cache.commit(lengths - 1),
+        target_cache=target_cache,
         drafter_cache=d_cache,
         drafter_context=d_context,
         policy=policy,
@@ -140,7 +159,7 @@ def _initial_state(
     )
 
 
-@functools.partial(jax.jit, static_argnames=("t_graphdef", "d_graphdef", "config", "sizes"))
+@functools.partial(jax.jit, static_argnames=("t_graphdef", "drafter", "config", "sizes"))
 def prefill(
     t_params: nnx.State,
     d_params: nnx.State,
@@ -151,42 +170,37 @@ def prefill(
     settings: Settings,
     *,
     t_graphdef: nnx.GraphDef,
-    d_graphdef: nnx.GraphDef,
+    drafter: Drafter,
     config: DecodeConfig,
     sizes: Sizes,
 ) -> DecodeState:
-    """Reads the prompts into both caches.
+    """Reads the prompts into both caches, in chunks of :func:`prefill_chunk` tokens.
 
     Args:
       t_params, d_params: target and drafter parameters (``nnx.split``).
-      prompt: ``[B, T]`` int32 right-padded prompts; ``lengths`` ``[B]`` their lengths (>= 2).
+      prompt: ``[B, W]`` int32 right-padded prompts; ``lengths`` ``[B]`` their lengths (>= 2).
       policy: :class:`~jaxcert.decoding.policies.PolicyParams`.
       key: PRNG key.
       settings: the traced :class:`~jaxcert.decoding.state.Settings` (budget, end tokens,
         temperature, top-p); ``config``'s own values of these are not read.
-      t_graphdef, d_graphdef: their graph definitions (static).
+      t_graphdef: the target's graph definition; drafter: the
+        :class:`~jaxcert.decoding.drafters.base.Drafter` (both static).
       config: :class:`~jaxcert.decoding.config.DecodeConfig` (its shapes and rule); sizes:
         :class:`~jaxcert.decoding.config.Sizes`.
 
     Returns:
       The initial :class:`DecodeState`.
     """
-    taps = config.head_taps
+    t_cache, states = _read_prompt(
+        t_graphdef, t_params, prompt, lengths, sizes.target, drafter.taps
+    )
+    d_cache, context, start = drafter.prefill(
+        d_params, prompt, lengths, states, slots=sizes.drafter,
+        chunk=prefill_chunk(prompt.shape[1]), copies=config.branching, width=config.reread,
+    )  # fmt: skip
     policy_state = policies_lib.init_policy_state(policy, prompt.shape[0])
-    m = config.branching
-    t_cache = nnx.merge(t_graphdef, t_params).init_cache(prompt.shape[0], sizes.target)
-    _, t_cache, states = _target_pass(t_graphdef, t_params, prompt, t_cache, taps)
-    if taps is None:
-        d_cache = _read_prompt(d_graphdef, d_params, prompt, sizes.drafter)
-        drafter = (d_cache.commit(lengths - 2).repeat(m), None)
-        start = lengths - 2
-    else:
-        d_cache, context = _prefill_head(
-            d_graphdef, d_params, prompt, lengths, states, sizes.drafter, config.reread
-        )
-        drafter, start = (d_cache.repeat(m), context), lengths - 1
     state = _initial_state(
-        prompt, lengths, key, settings, sizes, t_cache, drafter, policy_state, start
+        prompt, lengths, key, settings, sizes, t_cache, (d_cache, context), policy_state, start
     )
     return _pin(state, _layout(t_graphdef, t_params))
 
@@ -203,7 +217,7 @@ def _children(sub: dict, positions: int, m: int):
     return children, expanded
 
 
-def _verify(nb, operands, *, t_graphdef, config):
+def _verify(nb, operands, *, t_graphdef, config, taps):
     """Target pass over the root and the first ``nb`` nodes, acceptance and node statistics."""
     t_params, cache, tree, tokens, length, key, settings = operands
     v = config.verification
@@ -224,8 +238,7 @@ def _verify(nb, operands, *, t_graphdef, config):
         mask = jnp.broadcast_to(jnp.asarray(st.mask[: nb + 1, : nb + 1]), (b, nb + 1, nb + 1))
     fwd_mask = None if isinstance(shape, tree_lib.Chain) or nb == 0 else mask
     logits, cache, states = _target_pass(
-        t_graphdef, t_params, toks, cache, config.head_taps,
-        positions=positions, attention_mask=fwd_mask,
+        t_graphdef, t_params, toks, cache, taps, positions=positions, attention_mask=fwd_mask,
     )  # fmt: skip
     if nb == 0:  # nothing drafted in any row: a plain target step
         passes = on_path = jnp.zeros((b, 0), bool)
@@ -262,8 +275,8 @@ def _verify(nb, operands, *, t_graphdef, config):
         offsets = jnp.zeros((b, config.depth + 1), jnp.int32)
     else:
         offsets = tree_lib.path_offsets(on_path, sub["depth"], config.depth)
-    # A head re-reads the accepted path and the target's token with the target's states at
-    # the root and the path's nodes (the positions before them).
+    # A drafter that reads the target's states re-reads the accepted path and the target's
+    # token with those at the root and the path's nodes (the positions before them).
     path_states = None if states is None else jnp.take_along_axis(states, offsets[..., None], 1)
     path_tokens = jnp.take_along_axis(toks, offsets[:, 1:], axis=1)
     new = jnp.concatenate([path_tokens, jnp.zeros((b, 1), jnp.int32)], axis=1)
@@ -298,20 +311,15 @@ def hands_off(config: DecodeConfig) -> bool:
     return config.skips > 0
 
 
-def _proposal(d_graphdef, d_params, state: DecodeState) -> policies_lib.DrafterFeatures:
-    """A proposing drafter's next proposal for every row, read from the text (no pass)."""
-    drafter = nnx.merge(d_graphdef, d_params)
-    return policies_lib.proposal_features(drafter.propose(state.tokens, state.length))
-
-
-def _skip_next(policy, state: DecodeState, config, d_graphdef=None, d_params=None) -> jax.Array:
-    """``[]`` bool: the next round would skip the drafter (``goodput``). A proposing
-    drafter (``config.proposes_tokens``; give its ``d_graphdef`` and ``d_params``) is read
-    first: the round is skipped when no row's proposal is worth one."""
+def _skip_next(policy, state: DecodeState, config, drafter=None, d_params=None) -> jax.Array:
+    """``[]`` bool: the next round would skip the drafter (``goodput``). A drafter that
+    proposes tokens (give it and its ``d_params``) is read first: the round is skipped when
+    no row's proposal is worth one."""
     assert state.policy is not None
     proposal = None
-    if config.proposes_tokens and config.skips:
-        proposal = _proposal(d_graphdef, d_params, state)
+    if drafter is not None and drafter.proposes_tokens and config.skips:
+        read = drafter.propose(d_params, state.tokens, state.length)
+        proposal = policies_lib.proposal_features(read)
     return policies_lib.should_skip(
         policy, state.policy, ~state.done, config.skips, _need(state), proposal
     )
@@ -324,31 +332,28 @@ def _need(state: DecodeState) -> jax.Array:
     return jnp.where(state.done, 0, jnp.maximum(remaining, 1)).astype(jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "d_graphdef"))
+@functools.partial(jax.jit, static_argnames=("config", "drafter"))
 def skip_next(
     policy: policies_lib.PolicyParams,
     state: DecodeState,
-    d_params: nnx.State | None = None,
+    d_params: nnx.State,
     *,
     config: DecodeConfig,
-    d_graphdef: nnx.GraphDef | None = None,
+    drafter: Drafter,
 ):
     """Whether the next round would skip the drafter (``[]`` bool, for the host loop of
-    :func:`hands_off` configurations); a proposing drafter's ``d_graphdef`` and
-    ``d_params`` are needed to read its proposal."""
-    return _skip_next(policy, state, config, d_graphdef, d_params)
+    :func:`hands_off` configurations); a drafter that proposes tokens is read first."""
+    return _skip_next(policy, state, config, drafter, d_params)
 
 
-def _speculative_round(
-    t_graphdef, t_params, d_graphdef, d_params, policy, state: DecodeState, config
-):
+def _speculative_round(t_graphdef, t_params, drafter, d_params, policy, state, config):
     key, k_draft, k_verify = jax.random.split(state.key, 3)
     active = ~state.done
     settings = state.settings
     remaining = settings.max_new_tokens - state.generated
     assert state.drafter_cache is not None and state.policy is not None  # a speculative state
     tree, d_cache = draft(
-        d_graphdef,
+        drafter,
         d_params,
         state.drafter_cache,
         tokens=state.tokens,
@@ -366,21 +371,21 @@ def _speculative_round(
         temperature=settings.temperature,
         top_p=settings.top_p,
         context=state.drafter_context,
-        proposes=config.proposes_tokens,
     )
     used = tree.valid & active[:, None]
     n_eff = jnp.max(jnp.where(used, jnp.arange(1, tree.num_nodes + 1), 0))
     buckets = config.verify_buckets()
     index = jnp.minimum(jnp.searchsorted(jnp.asarray(buckets), n_eff), len(buckets) - 1)
     branches = [
-        functools.partial(_verify, nb, t_graphdef=t_graphdef, config=config) for nb in buckets
+        functools.partial(_verify, nb, t_graphdef=t_graphdef, config=config, taps=drafter.taps)
+        for nb in buckets
     ]
     operands = (t_params, state.target_cache, tree, state.tokens, state.length, k_verify, settings)
     verified = lax.switch(index, branches, operands)
-    return _commit(state, config, policy, key, tree, d_cache, verified)
+    return _commit(state, config, drafter, policy, key, tree, d_cache, verified)
 
 
-def _commit(state, config, policy, key, tree, d_cache, verified):
+def _commit(state, config, drafter, policy, key, tree, d_cache, verified):
     """Appends the accepted path and the target token; rolls caches to the kept path.
 
     ``verified`` is what :func:`_verify` returns: the target cache, accepted counts, new
@@ -407,17 +412,13 @@ def _commit(state, config, policy, key, tree, d_cache, verified):
     length = state.length + count
     finished = has_eos | (length - state.prompt_length >= settings.max_new_tokens)
     depth = jnp.max(jnp.where(tree.valid, tree.depth, 0), axis=-1)
-    if isinstance(config.tree, tree_lib.Chain) and config.head_taps is None:
+    if isinstance(config.tree, tree_lib.Chain) and drafter.keeps_drafts:
         # After a rejection the drafter already read every kept token but the target's.
         start = jnp.where(accepted < depth, length - 1, length - 2)
     else:
         start = state.length  # re-read the accepted path and the target's token
     start = jnp.where(active, start, state.drafter_start)
-    context = state.drafter_context
-    if path_states is not None:
-        pad = context.shape[1] - path_states.shape[1]  # room for skipped steps' states
-        path_states = jnp.pad(path_states, ((0, 0), (0, pad), (0, 0)))
-        context = jnp.where(active[:, None, None], path_states, context)
+    context = drafter.after_round(state.drafter_context, path_states, active)
     tested = ns.valid & ns.reached & (ns.rank == 0)  # first choices the target tested
     match = None
     if config.proposes_tokens:  # each proposal's logit is its match length
@@ -460,7 +461,7 @@ def _commit(state, config, policy, key, tree, d_cache, verified):
 
 
 @functools.partial(
-    jax.jit, static_argnames=("t_graphdef", "d_graphdef", "config"), donate_argnames=("state",)
+    jax.jit, static_argnames=("t_graphdef", "drafter", "config"), donate_argnames=("state",)
 )
 def run_rounds(
     t_params: nnx.State,
@@ -469,7 +470,7 @@ def run_rounds(
     policy: policies_lib.PolicyParams,
     *,
     t_graphdef: nnx.GraphDef,
-    d_graphdef: nnx.GraphDef,
+    drafter: Drafter,
     config: DecodeConfig,
 ) -> tuple[DecodeState, RoundStats]:
     """Up to ``config.rounds_per_call`` rounds (fewer once every row is done, or, with
@@ -489,13 +490,13 @@ def run_rounds(
         r, state, _ = carry
         go = (r < r_max) & ~jnp.all(state.done)
         if hands_off(config):
-            go = go & ~_skip_next(policy, state, config, d_graphdef, d_params)
+            go = go & ~_skip_next(policy, state, config, drafter, d_params)
         return go
 
     def body(carry):
         r, state, buffers = carry
         state, rs = _speculative_round(
-            t_graphdef, t_params, d_graphdef, d_params, policy, state, config
+            t_graphdef, t_params, drafter, d_params, policy, state, config
         )
         buffers = jax.tree.map(lambda buf, x: buf.at[r].set(x), buffers, rs)
         return r + 1, _pin(state, layout), buffers
@@ -515,14 +516,15 @@ def prefill_target(
     graphdef: nnx.GraphDef,
     sizes: Sizes,
 ) -> DecodeState:
-    """Target-only prefill; the state's drafter fields are ``None``."""
-    cache = _read_prompt(graphdef, params, prompt, sizes.target)
+    """Target-only prefill (in chunks, as :func:`prefill`); the state's drafter fields are
+    ``None``."""
+    cache, _ = _read_prompt(graphdef, params, prompt, lengths, sizes.target)
     return _initial_state(prompt, lengths, key, settings, sizes, cache, None, None)
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "steps", "sampling", "d_graphdef", "config", "taps"),
+    static_argnames=("graphdef", "steps", "sampling", "drafter", "config"),
     donate_argnames=("state",),
 )
 def run_target_steps(
@@ -534,35 +536,36 @@ def run_target_steps(
     graphdef: nnx.GraphDef,
     steps: int,
     sampling: bool,
-    d_graphdef: nnx.GraphDef | None = None,
+    drafter: Drafter | None = None,
     config: DecodeConfig | None = None,
-    taps: tuple[int, ...] | None = None,
 ) -> DecodeState:
     """Up to ``steps`` target-only decoding steps: greedy, or sampled with ``sampling`` at
     the state's (traced) temperature and top-p; budget and end tokens from its settings.
 
-    With a draft head's ``taps`` (``DecodeConfig.head_taps``, static) each step also
-    records the target's states at the token it reads into the head's context
-    (``state.drafter_context``, slot ``length - drafter_start``: the state before the new
-    token), so the head's next re-read reads every skipped token with the state before it,
-    as a teacher-forced head does. A slot past the context's width (a batch that skipped
-    more than ``max_skip`` steps in a row, and so never drafts again) is dropped.
+    With a ``drafter`` (``goodput``'s skipped rounds; its ``d_params``, the ``policy`` and
+    the speculative ``config``), the drafter stays in step with the text:
 
-    With a proposing drafter (``d_graphdef``, ``d_params``, the ``goodput`` ``policy`` and
-    the speculative ``config``), the steps stop before one where a row's proposal is worth
-    a round (after the first step), and the drafter catches up with the text (its re-read
-    then starts at the last token): ``goodput`` reads prompt lookup at every token, at the
-    price of a few integer comparisons, and a skipped drafter is never stale."""
+    - one that reads the target's states (:attr:`Drafter.taps`) gets, at each step, the
+      states at the token the target reads in its context (``state.drafter_context``, slot
+      ``length - drafter_start``: the state before the new token), so its next re-read reads
+      every skipped token with the state before it, as a teacher-forced head does; a slot
+      past the context's width (a batch that skipped more than ``max_skip`` steps in a row,
+      and so never drafts again) is dropped;
+    - one that proposes tokens is read before each step after the first: the steps stop
+      before one where a row's proposal is worth a round, and the drafter then catches up
+      with the text without a pass (its re-read starts at the last token): ``goodput``
+      reads prompt lookup at every token, at the price of a few integer comparisons."""
     b = state.length.shape[0]
     rows = jnp.arange(b)
     settings = state.settings
-    looks = d_graphdef is not None
+    taps = None if drafter is None else drafter.taps
+    looks = drafter is not None and drafter.proposes_tokens
 
     def cond(carry):
         r, state = carry
         go = (r < steps) & ~jnp.all(state.done)
         if looks:
-            go = go & ((r == 0) | _skip_next(policy, state, config, d_graphdef, d_params))
+            go = go & ((r == 0) | _skip_next(policy, state, config, drafter, d_params))
         return go
 
     def body(carry):
@@ -575,13 +578,13 @@ def run_target_steps(
         if taps is None:
             logits, cache = decode_step(graphdef, params, last, state.target_cache, active)
         else:
-            assert context is not None  # a draft head's state
+            assert drafter is not None
             logits, cache, states = _target_pass(
                 graphdef, params, last[:, None], state.target_cache, taps
             )
             logits, cache = logits[:, 0], cache.commit(step)
             at = jnp.where(active, state.length - state.drafter_start, context.shape[1])
-            context = context.at[rows, at].set(states[:, 0].astype(context.dtype), mode="drop")
+            context = drafter.after_step(context, states, at)
         if sampling:
             lp = sampling_log_probs(logits, settings.temperature, settings.top_p)
             token = jax.random.categorical(sub, lp, axis=-1).astype(jnp.int32)
@@ -605,10 +608,12 @@ def run_target_steps(
         return r + 1, state
 
     _, state = lax.while_loop(cond, body, (jnp.asarray(0, jnp.int32), state))
-    if d_graphdef is not None:
-        drafter = nnx.merge(d_graphdef, d_params)
+    if looks:
+        assert drafter is not None and d_params is not None and state.drafter_cache is not None
         state = state.replace(
-            drafter_cache=drafter.catch_up(state.drafter_cache, state.tokens, state.length),
+            drafter_cache=drafter.catch_up(
+                d_params, state.drafter_cache, state.tokens, state.length
+            ),
             drafter_start=state.length - 1,
         )
     return state

@@ -20,8 +20,10 @@ from flax import nnx
 
 from jaxcert import models
 from jaxcert.base.prompts import pad_prompts
+from jaxcert.decoding import drafters
 from jaxcert.decoding import policies as policies_lib
 from jaxcert.decoding.config import DecodeConfig
+from jaxcert.decoding.drafters import Drafter
 from jaxcert.decoding.ngram import NgramDrafter
 from jaxcert.decoding.protocols import DecoderModel, reads_target
 from jaxcert.models import sharding as sharding_lib
@@ -201,8 +203,9 @@ class Pair:
     """A target and a drafter ready to decode (made by :func:`pair`).
 
     Attributes:
-      t_graphdef, t_params, d_graphdef, d_params: the two models split (``nnx.split``), on
-        one device or on one mesh.
+      t_graphdef, t_params: the target split (``nnx.split``), on one device or on a mesh.
+      drafter, d_params: the drafter's object for its method
+        (:func:`~jaxcert.decoding.drafters.for_model`) and its parameters, on the same.
       config: the :class:`~jaxcert.decoding.config.DecodeConfig` resolved for the pair and
         the policy (:func:`resolved_config`).
       placement: ``(mesh, logical rules)`` or ``None`` on one device.
@@ -212,7 +215,7 @@ class Pair:
 
     t_graphdef: nnx.GraphDef
     t_params: nnx.State
-    d_graphdef: nnx.GraphDef
+    drafter: Drafter
     d_params: nnx.State
     config: DecodeConfig
     placement: tuple | None
@@ -235,6 +238,7 @@ def pair(target, drafter, *, config: DecodeConfig, policy, mesh=None) -> Pair:
     (target, drafter), placement = on_mesh((target, drafter), mesh)
     t_graphdef, t_params = split_model(target)
     d_graphdef, d_params = split_model(drafter)
+    d_object = drafters.for_model(d_graphdef, nnx.merge(d_graphdef, d_params))
     return Pair(
-        t_graphdef, t_params, d_graphdef, d_params, config, placement, vocab_size(target), given
+        t_graphdef, t_params, d_object, d_params, config, placement, vocab_size(target), given
     )

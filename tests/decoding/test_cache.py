@@ -13,6 +13,7 @@ from jaxcert.base.programs import default_programs
 from jaxcert.base.prompts import pad_prompts
 from jaxcert.decoding import loop
 from jaxcert.decoding.config import Sizes, bucket
+from jaxcert.decoding.drafters import ModelDrafter
 from jaxcert.decoding.policies import PolicyParams
 from jaxcert.decoding.state import Settings
 from jaxcert.models import KVCache, forward
@@ -55,7 +56,7 @@ def test_no_stale_cache_entries_after_rejections(target, drafters, verify, kw):
     static = config.shape_only()
     sizes = Sizes.for_prompts(WIDTH, static, bucket(MAX_NEW))
     policy = PolicyParams.from_policy(decoding.Constant(k=3))
-    graphdefs = dict(t_graphdef=t_graph, d_graphdef=d_graph)
+    graphdefs = dict(t_graphdef=t_graph, drafter=ModelDrafter(d_graph))
     settings = Settings.create(MAX_NEW, 0.0, 1.0, ())
     args = (t_params, d_params, prompt, lengths, policy, jax.random.key(0), settings)
     pre = default_programs().compile(
