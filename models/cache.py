@@ -74,6 +74,12 @@ class Cache(Protocol):
         re-points a branch to another parent this way."""
         ...
 
+    def put_rows(self, rows: Self, at: ArrayLike) -> Self:
+        """Row ``i`` of ``rows`` (a cache of ``B'`` rows and the same slots) replaces row
+        ``at[i]`` (``at``: ``[B']`` int32); the other rows stay. A batch refills a finished
+        slot with a new prompt's prefilled row this way."""
+        ...
+
 
 @struct.dataclass
 class KVCache:
@@ -208,6 +214,10 @@ class KVCache:
         rows = jnp.asarray(rows, jnp.int32)
         return jax.tree.map(lambda x: x[rows], self)
 
+    def put_rows(self, rows: KVCache, at: ArrayLike) -> KVCache:
+        """Row ``i`` of ``rows`` replaces row ``at[i]`` (``[B']`` int32)."""
+        return put_rows(self, rows, at)
+
     def copy_segments(self, src: ArrayLike, start: ArrayLike, width: int) -> KVCache:
         """Row r's slots `[start[r], start[r] + width)` become row `src[r]`'s same slots.
 
@@ -242,3 +252,18 @@ class KVCache:
 def _zeros(shape, dtype, sharding):
     """A function making zeros of `shape` directly on `sharding` (eagerly or under jit)."""
     return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=sharding)
+
+
+def put_rows(cache, rows, at: ArrayLike):
+    """``cache`` (a pytree of batch-first arrays) with row ``i`` of ``rows`` in row ``at[i]``
+    (``at``: ``[B']`` int32); written as a select over the batch, so a cache split over
+    the batch axis stays split."""
+    at = jnp.atleast_1d(jnp.asarray(at, jnp.int32))
+
+    def put(buf, new):
+        hit = jnp.arange(buf.shape[0])[:, None] == at[None, :]  # [B, B']
+        row = jnp.take(new, jnp.argmax(hit, axis=1), axis=0).astype(buf.dtype)  # [B, ...]
+        keep = jnp.any(hit, axis=1).reshape((-1,) + (1,) * (buf.ndim - 1))
+        return jnp.where(keep, row, buf)
+
+    return jax.tree.map(put, cache, rows)

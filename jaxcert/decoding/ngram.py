@@ -39,6 +39,7 @@ from jax import lax
 from jax.typing import ArrayLike
 
 from jaxcert.base.validate import check_int
+from jaxcert.models import cache as cache_lib
 
 __all__ = [
     "NgramDrafter",
@@ -115,6 +116,10 @@ class TokenCache:
         """Every field through ``pin_rows`` (split over the batch axis on a mesh: the
         decoder's constraint for per-row state)."""
         return jax.tree.map(pin_rows, self)
+
+    def put_rows(self, rows: TokenCache, at: ArrayLike) -> TokenCache:
+        """Row ``i`` of ``rows`` replaces row ``at[i]`` (``[B']`` int32)."""
+        return cache_lib.put_rows(self, rows, at)
 
     def copy_segments(self, src: ArrayLike, start: ArrayLike, width: int) -> TokenCache:
         src, start = jnp.asarray(src, jnp.int32), self._per_row(start)

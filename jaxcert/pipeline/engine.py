@@ -162,16 +162,9 @@ def _prefill_piece(state, tokens, count, row_cache, *, graphdef):
 def _install(cache, logits, step, active, row_cache, row_logits, slot):
     """Copies a prefilled one-row cache and its logits into ``slot``; the slot starts."""
     hit = jnp.arange(logits.shape[0]) == slot  # [B]
-
-    def put(buf, row):
-        return jnp.where(hit.reshape((-1,) + (1,) * (buf.ndim - 1)), row.astype(buf.dtype), buf)
-
-    cache = cache.replace(
-        keys=tuple(put(k, r) for k, r in zip(cache.keys, row_cache.keys, strict=True)),
-        values=tuple(put(v, r) for v, r in zip(cache.values, row_cache.values, strict=True)),
-        length=put(cache.length, row_cache.length),
-    )
-    return cache, put(logits, row_logits), jnp.where(hit, 0, step), active | hit
+    cache = cache.put_rows(row_cache, slot)  # the Cache method: no reach inside
+    logits = jnp.where(hit[:, None], row_logits.astype(logits.dtype), logits)
+    return cache, logits, jnp.where(hit, 0, step), active | hit
 
 
 @functools.partial(

@@ -19,6 +19,7 @@ from flax import nnx, struct
 from jaxcert import decoding
 from jaxcert.decoding.protocols import FeatureDrafter, context_before, reads_target
 from jaxcert.models import EagleHead
+from jaxcert.models.cache import put_rows
 from tests.helpers.tiny_decoding import CONFIG, MAX_NEW, PROMPTS, random_model
 
 V, E = CONFIG.vocab_size, CONFIG.hidden_size
@@ -44,6 +45,9 @@ class LengthCache:
 
     def take_rows(self, rows):
         return LengthCache(self.length[rows])
+
+    def put_rows(self, rows, at):
+        return put_rows(self, rows, at)
 
     def copy_segments(self, src, start, width):
         return self

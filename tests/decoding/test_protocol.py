@@ -20,6 +20,7 @@ from jax import lax
 
 from jaxcert import decoding
 from jaxcert.decoding.protocols import Cache, DecoderModel
+from jaxcert.models.cache import put_rows
 from tests.helpers.tiny_decoding import CONFIG, MAX_NEW, PROMPTS, random_model
 
 V, E = CONFIG.vocab_size, 16
@@ -53,6 +54,9 @@ class TokenCache:
 
     def take_rows(self, rows):
         return jax.tree.map(lambda x: x[rows], self)
+
+    def put_rows(self, rows, at):
+        return put_rows(self, rows, at)
 
     def copy_segments(self, src, start, width):
         take = jax.vmap(lambda row, s: lax.dynamic_slice_in_dim(row, s, width))

@@ -154,3 +154,21 @@ def test_forward_shape_errors(split):
         _run(split, np.zeros((2, 2)), cache, attention_mask=jnp.ones((2, 2, 2), jnp.int32))
     with pytest.raises(ValueError, match="positions"):
         _run(split, np.zeros((2, 2)), cache, positions=jnp.zeros((2, 3), jnp.int32))
+
+
+@pytest.mark.parametrize("at", [[2], [0, 3]])
+def test_put_rows_replaces_those_rows_only(at):
+    """``Cache.put_rows``: the pipeline refills a finished slot through it."""
+    from jaxcert.decoding.ngram import TokenCache
+
+    rng = np.random.default_rng(0)
+    for make in (lambda b: KVCache.create(CONFIG, b, S), lambda b: TokenCache.create(b, S)):
+        cache = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), x.dtype), make(4))
+        rows = jax.tree.map(
+            lambda x: jnp.asarray(rng.normal(size=x.shape), x.dtype), make(len(at))
+        )
+        got = cache.put_rows(rows, jnp.asarray(at, jnp.int32))
+        for old, new, put in zip(*(jax.tree.leaves(c) for c in (cache, got, rows)), strict=True):
+            keep = [b for b in range(4) if b not in at]
+            np.testing.assert_array_equal(new[np.asarray(keep)], old[np.asarray(keep)])
+            np.testing.assert_array_equal(new[np.asarray(at)], put)
