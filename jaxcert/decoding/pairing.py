@@ -153,10 +153,11 @@ def _with_head(config: DecodeConfig, target, drafter) -> DecodeConfig:
         return dataclasses.replace(config, head_taps=None)
     taps = tuple(int(i) for i in head.taps)
     t_model = getattr(target, "model", target)
-    if taps and not hasattr(t_model, "tapped_features"):
+    if not isinstance(t_model, tuple) and not hasattr(t_model, "tapped_features"):
         raise ValueError(
             f"the draft head fuses target blocks {taps}, but the target "
-            f"({type(t_model).__name__}) has no tapped_features to hand them over"
+            f"({type(t_model).__name__}) has no tapped_features to hand them over "
+            "(jaxcert.decoding.protocols.TappedTarget)"
         )
     layers = getattr(getattr(t_model, "config", None), "num_layers", None)
     if layers is not None and any(not 0 <= i < layers for i in taps):

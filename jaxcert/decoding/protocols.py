@@ -28,6 +28,7 @@ __all__ = [
     "FeatureDrafter",
     "ModelConfigLike",
     "ProposingDrafter",
+    "TappedTarget",
     "context_before",
     "reads_target",
     "shifted_right",
@@ -68,6 +69,19 @@ class DecoderModel(Protocol):
 
     def project(self, hidden: jax.Array) -> jax.Array:
         """The lm_head: ``[..., E]`` hidden states -> ``[..., V]`` float32 logits."""
+        ...
+
+
+@runtime_checkable
+class TappedTarget(DecoderModel, Protocol):
+    """A target that can feed a draft head (:class:`FeatureDrafter`): :class:`DecoderModel`'s
+    surface and the residual streams after chosen blocks."""
+
+    def tapped_features(
+        self, tokens: jax.Array, cache: Cache, taps: tuple[int, ...], **kwargs
+    ) -> tuple[jax.Array, Cache, jax.Array]:
+        """:meth:`features` and the states after the blocks ``taps``, concatenated:
+        ``(hidden [B, T, E], cache, [B, T, len(taps) * E])`` (``[B, T, 0]`` for ``()``)."""
         ...
 
 

@@ -19,6 +19,7 @@ from tests.helpers.tiny_decoding import MAX_NEW, PROMPTS, WIDTH
 
 _PRELUDE = """
 from jaxcert import decoding
+from jaxcert.base.programs import default_programs
 from jaxcert.decoding import loop
 from tests.helpers.tiny_decoding import random_model
 from tests.helpers.tiny_models import tiny_config

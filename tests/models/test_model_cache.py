@@ -164,9 +164,7 @@ def test_put_rows_replaces_those_rows_only(at):
     rng = np.random.default_rng(0)
     for make in (lambda b: KVCache.create(CONFIG, b, S), lambda b: TokenCache.create(b, S)):
         cache = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), x.dtype), make(4))
-        rows = jax.tree.map(
-            lambda x: jnp.asarray(rng.normal(size=x.shape), x.dtype), make(len(at))
-        )
+        rows = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), x.dtype), make(len(at)))
         got = cache.put_rows(rows, jnp.asarray(at, jnp.int32))
         for old, new, put in zip(*(jax.tree.leaves(c) for c in (cache, got, rows)), strict=True):
             keep = [b for b in range(4) if b not in at]

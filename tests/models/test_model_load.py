@@ -43,6 +43,7 @@ def test_public_surface():
             "load",
             "load_gguf",
             "load_hf",
+            "model_path",
             "read_config",
             "shard",
             "truncate",

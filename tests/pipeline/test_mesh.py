@@ -178,7 +178,7 @@ def test_decode_on_4_devices_matches_one_device(tmp_path, monkeypatch):
 
     got = run(f"""
         from jaxcert import cli
-        from jaxcert import decoding
+        from jaxcert.base.programs import default_programs
         default_programs().compiler_options["xla_backend_optimization_level"] = 0
         print(json.dumps({{"rc": cli.main({args("mesh", "--mesh", "data=2,model=2")!r})}}))
         """, devices=4)  # fmt: skip

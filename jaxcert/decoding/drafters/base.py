@@ -16,9 +16,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from jaxcert.decoding.protocols import Cache, reads_target
+from jaxcert.decoding.protocols import Cache
 
-__all__ = ["Drafter", "for_model", "read_chunks"]
+__all__ = ["Drafter", "read_chunks"]
 
 
 @runtime_checkable
@@ -112,17 +112,3 @@ def read_chunks(prompt: jax.Array, lengths: jax.Array, chunk: int, read, cache: 
         return i + 1, read(window, i * chunk, cache).commit(chunk)
 
     return lax.while_loop(lambda c: c[0] < count, body, (jnp.asarray(0, jnp.int32), cache))[1]
-
-
-def for_model(graphdef: nnx.GraphDef, module) -> Drafter:
-    """The drafter object of a split model: a head if it reads the target's states, prompt
-    lookup if it proposes tokens, else a language model."""
-    from jaxcert.decoding.drafters.head import HeadDrafter
-    from jaxcert.decoding.drafters.lookup import LookupDrafter
-    from jaxcert.decoding.drafters.model import ModelDrafter
-
-    if reads_target(module):
-        return HeadDrafter(graphdef, tuple(int(i) for i in module.taps))
-    if getattr(module, "proposes_tokens", False):
-        return LookupDrafter(graphdef)
-    return ModelDrafter(graphdef)
