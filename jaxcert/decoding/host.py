@@ -36,8 +36,8 @@ class Batch:
     """Prompts on the device(s), ``B'`` rows (``B`` real ones, the rest pad a mesh).
 
     Attributes:
-      prompt: ``[B', W]`` int32 right-padded prompts; lengths: ``[B']`` int32.
-      rows: the real rows ``B``; width: ``W``.
+      prompt: ``[B', T]`` int32 right-padded prompts; lengths: ``[B']`` int32.
+      rows: the real rows ``B``; width: ``T``.
       key: PRNG key; settings: the traced :class:`~jaxcert.decoding.state.Settings`.
       sizes: the static buffer sizes (:class:`~jaxcert.decoding.config.Sizes`).
     """

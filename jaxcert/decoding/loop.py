@@ -61,10 +61,10 @@ PREFILL_CHUNK = 64
 
 
 def _read_prompt(graphdef, params, prompt, lengths, slots, taps=None):
-    """The target's cache after reading the ``[B, W]`` prompt in chunks of
+    """The target's cache after reading the ``[B, T]`` prompt in chunks of
     :func:`prefill_chunk` tokens, only as many as the longest prompt needs (so a wide
     prompt room costs no more than the prompts themselves), nothing committed past
-    ``lengths - 1``; with ``taps`` also the ``[B, W, Z]`` states a draft head reads."""
+    ``lengths - 1``; with ``taps`` also the ``[B, T, Z]`` states a draft head reads."""
     model = nnx.merge(graphdef, params)
     b, w = prompt.shape
     chunk = prefill_chunk(w)
@@ -178,7 +178,7 @@ def prefill(
 
     Args:
       t_params, d_params: target and drafter parameters (``nnx.split``).
-      prompt: ``[B, W]`` int32 right-padded prompts; ``lengths`` ``[B]`` their lengths (>= 2).
+      prompt: ``[B, T]`` int32 right-padded prompts; ``lengths`` ``[B]`` their lengths (>= 2).
       policy: :class:`~jaxcert.decoding.policies.PolicyParams`.
       key: PRNG key.
       settings: the traced :class:`~jaxcert.decoding.state.Settings` (budget, end tokens,

@@ -59,7 +59,7 @@ def split_model(model) -> tuple[nnx.GraphDef, nnx.State]:
 
 
 def place_prompts(prompts, width, minimum, vocab_size, placement=None):
-    """``(tokens [B', W], lengths [B'])`` on the device(s); ``B' = B`` unless on a mesh.
+    """``(tokens [B', T], lengths [B'])`` on the device(s); ``B' = B`` unless on a mesh.
 
     With ``placement = (mesh, rules)`` the batch is padded with copies of the last prompt to
     a multiple of the size of the mesh axes of ``batch``, then split over them.

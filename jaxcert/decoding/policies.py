@@ -573,33 +573,33 @@ def drafter_features(q_logits: jax.Array, proposes: bool = False) -> DrafterFeat
 UNMEASURED = 1 << 20
 
 
-def init_policy_state(params: PolicyParams, batch: int) -> PolicyState:
-    """The state of ``batch`` rows before their first round (``goodput``'s counts hold
+def init_policy_state(policy: PolicyParams, batch: int) -> PolicyState:
+    """The policy state of ``batch`` rows before their first round (``goodput``'s counts hold
     one tested token accepted at the prior rate; ``skipped`` is :data:`UNMEASURED`). With
-    a prior from earlier decodes (``params.past_rounds`` not all 0) every row starts with
+    a prior from earlier decodes (``policy.past_rounds`` not all 0) every row starts with
     it as its measured drafting (``emitted``, ``rounds``) and ``skipped`` is 0: the first
     round's skip decision weighs the prior, and a skip then counts as a losing
     measurement."""
-    depths = params.costs.round_s.shape[0]
-    past = jnp.broadcast_to(params.past_rounds, (depths,)).astype(jnp.float32)
+    depths = policy.costs.round_s.shape[0]
+    past = jnp.broadcast_to(policy.past_rounds, (depths,)).astype(jnp.float32)
     known = jnp.sum(past) > 0
     return PolicyState(
-        k=jnp.full((batch,), params.k, jnp.int32),
-        accepted=jnp.full((batch,), params.prior, jnp.float32),
+        k=jnp.full((batch,), policy.k, jnp.int32),
+        accepted=jnp.full((batch,), policy.prior, jnp.float32),
         tested=jnp.ones((batch,), jnp.float32),
         predicted=jnp.ones((batch,), jnp.float32),
         skipped=jnp.full((batch,), jnp.where(known, 0, UNMEASURED), jnp.int32),
         losses=jnp.zeros((batch,), jnp.int32),
-        emitted=jnp.full((batch,), jnp.where(known, params.past_emitted, 0.0), jnp.float32),
+        emitted=jnp.full((batch,), jnp.where(known, policy.past_emitted, 0.0), jnp.float32),
         rounds=jnp.broadcast_to(jnp.where(known, past, 0.0), (batch, depths)),
-        match_accepted=jnp.full((batch, MATCH_CLASSES), params.prior, jnp.float32),
+        match_accepted=jnp.full((batch, MATCH_CLASSES), policy.prior, jnp.float32),
         match_tested=jnp.ones((batch, MATCH_CLASSES), jnp.float32),
     )
 
 
-def _rate(state: PolicyState) -> jax.Array:
+def _rate(policy_state: PolicyState) -> jax.Array:
     """``[B]`` the rows' running acceptance rate per tested token, in ``[0, 0.999]``."""
-    return jnp.clip(state.accepted / jnp.maximum(state.tested, 1e-6), 0.0, 0.999)
+    return jnp.clip(policy_state.accepted / jnp.maximum(policy_state.tested, 1e-6), 0.0, 0.999)
 
 
 def _batch(values: jax.Array, need: jax.Array | None) -> jax.Array:
@@ -641,19 +641,19 @@ def _best_deeper(costs: RoundCosts, expected, prob, a, drafted, k_max, need=None
     return jnp.max(jnp.where(deeper, rate, -jnp.inf)), now
 
 
-def _worth_drafting(params, state, features, need):
+def _worth_drafting(policy, policy_state, features, need):
     """``goodput``'s choice (``[]`` bool): a round that drafts beats a plain verification
     of the root, at the acceptance estimate of the drafter's first token."""
-    a = _token_estimate(params, state, features)
+    a = _token_estimate(policy, policy_state, features)
     one = jnp.ones_like(a)
     start = jnp.asarray(0, jnp.int32)
-    deeper, now = _best_deeper(params.costs, one, one, a, start, params.k_max, need)
+    deeper, now = _best_deeper(policy.costs, one, one, a, start, policy.k_max, need)
     return deeper > now
 
 
 def draft_any(
-    params: PolicyParams,
-    state: PolicyState,
+    policy: PolicyParams,
+    policy_state: PolicyState,
     features: DrafterFeatures,
     need: jax.Array | None = None,
 ) -> jax.Array:
@@ -664,14 +664,14 @@ def draft_any(
     policy drafts at least one token.
 
     Args:
-      params, state: the policy and its per-row state.
+      policy, policy_state: the policy and its per-row state.
       features: ``[B]`` features of the drafter's distribution of the first token.
       need: ``[B]`` tokens each row still has to write (0: done); ``None``: weigh the
         batch's total tokens per second instead of its finishing time (:func:`_batch`).
     """
-    worth = _worth_drafting(params, state, features, need)
-    measures = jnp.any(state.skipped > 0)
-    return (params.kind != _KINDS.index("goodput")) | worth | measures
+    worth = _worth_drafting(policy, policy_state, features, need)
+    measures = jnp.any(policy_state.skipped > 0)
+    return (policy.kind != _KINDS.index("goodput")) | worth | measures
 
 
 def proposal_features(proposals: jax.Array) -> DrafterFeatures:
@@ -687,8 +687,8 @@ def proposal_features(proposals: jax.Array) -> DrafterFeatures:
 
 
 def should_skip(
-    params: PolicyParams,
-    state: PolicyState,
+    policy: PolicyParams,
+    policy_state: PolicyState,
     active: jax.Array,
     max_skip: int,
     need: jax.Array | None = None,
@@ -703,7 +703,7 @@ def should_skip(
     measures the rate again. Where even an acceptance rate of 0.999 would not make drafting
     pay (the costs alone decide), every round skips: nothing is left to measure. So does
     every round once ``patience`` row-rounds of measurement in a row were followed by a
-    skip (``state.losses``): the batch stops measuring. A batch that has skipped more than
+    skip (``policy_state.losses``): the batch stops measuring. A batch that has skipped more than
     ``max_skip`` rounds in a row always skips: its drafter is further behind than one
     re-read (``DecodeConfig.reread``) can catch up.
 
@@ -714,7 +714,7 @@ def should_skip(
     (``docs/goodput.md``, "Prompt lookup: looking before drafting").
 
     Args:
-      params, state: the policy and its per-row state.
+      policy, policy_state: the policy and its per-row state.
       active: ``[B]`` bool rows still decoding.
       max_skip: static, ``DecodeConfig.max_skip``.
       need: ``[B]`` tokens each row still has to write (0 for rows not ``active``);
@@ -724,27 +724,30 @@ def should_skip(
     """
     if max_skip == 0:
         return jnp.asarray(False)
-    goodput = params.kind == _KINDS.index("goodput")
+    goodput = policy.kind == _KINDS.index("goodput")
     w = active.astype(jnp.float32)
     start = jnp.asarray(0, jnp.int32)
-    plain = _batch(w, need) / jnp.maximum(params.costs.skip_s, 1e-12)
+    plain = _batch(w, need) / jnp.maximum(policy.costs.skip_s, 1e-12)
     if proposal is not None:  # the best draft of these proposals against a plain step
         match = jnp.where(active, proposal.match, 0)
-        a = _token_estimate(params, state, dataclasses.replace(proposal, match=match))
-        best, _ = _best_deeper(params.costs, w, w, a, start, params.k_max, need)
+        a = _token_estimate(policy, policy_state, dataclasses.replace(proposal, match=match))
+        best, _ = _best_deeper(policy.costs, w, w, a, start, policy.k_max, need)
         return goodput & (plain >= best) & jnp.any(active)
     full = jnp.full_like(w, 0.999)
-    best, _ = _best_deeper(params.costs, w, w, full, start, params.k_max, need)
+    best, _ = _best_deeper(policy.costs, w, w, full, start, policy.k_max, need)
     hopeless = plain >= best
-    gave_up = (params.patience > 0) & jnp.all(state.losses >= params.patience)
-    stale = jnp.any((state.skipped > max_skip) & (state.skipped != UNMEASURED))
-    drafting = measured_rate(params, state, active, need)
-    chooses = (plain >= drafting) & (jnp.all(state.skipped < max_skip) | hopeless | gave_up)
+    gave_up = (policy.patience > 0) & jnp.all(policy_state.losses >= policy.patience)
+    stale = jnp.any((policy_state.skipped > max_skip) & (policy_state.skipped != UNMEASURED))
+    drafting = measured_rate(policy, policy_state, active, need)
+    chooses = (plain >= drafting) & (jnp.all(policy_state.skipped < max_skip) | hopeless | gave_up)
     return goodput & (chooses | stale) & jnp.any(active)
 
 
 def measured_rate(
-    params: PolicyParams, state: PolicyState, active: jax.Array, need: jax.Array | None = None
+    policy: PolicyParams,
+    policy_state: PolicyState,
+    active: jax.Array,
+    need: jax.Array | None = None,
 ) -> jax.Array:
     """The batch's rate of drafting, in tokens per second (``[]`` float32), that the skip
     decision of ``goodput`` weighs against a plain step: ``sum_b emitted_b / spent_b`` over
@@ -762,17 +765,17 @@ def measured_rate(
     """
     w = active.astype(jnp.float32)
     start = jnp.asarray(0, jnp.int32)
-    predicted, _ = _best_deeper(params.costs, w, w, _rate(state), start, params.k_max, need)
-    spent = state.rounds @ params.costs.round_s  # [B] seconds, at today's costs
-    measured = jnp.sum(state.rounds, axis=-1)  # [B]
-    rates = state.emitted / jnp.maximum(spent, 1e-12)  # [B] each row's tokens per second
+    predicted, _ = _best_deeper(policy.costs, w, w, _rate(policy_state), start, policy.k_max, need)
+    spent = policy_state.rounds @ policy.costs.round_s  # [B] seconds, at today's costs
+    measured = jnp.sum(policy_state.rounds, axis=-1)  # [B]
+    rates = policy_state.emitted / jnp.maximum(spent, 1e-12)  # [B] each row's tokens per second
     # No floor at one row-round: a prior from earlier decodes may weigh less (it halves
     # with each decode), and its bound must keep rising until a decode measures again.
     if need is None:
         n = jnp.sum(w * measured)
-        bound = jnp.sum(w * rates) * (1.0 + params.spread / jnp.sqrt(jnp.maximum(n, 1e-6)))
+        bound = jnp.sum(w * rates) * (1.0 + policy.spread / jnp.sqrt(jnp.maximum(n, 1e-6)))
     else:
-        raised = rates * (1.0 + params.spread / jnp.sqrt(jnp.maximum(measured, 1e-6)))
+        raised = rates * (1.0 + policy.spread / jnp.sqrt(jnp.maximum(measured, 1e-6)))
         bound = _batch(jnp.where(active, raised, 0.0), jnp.where(active, need, 0.0))
     known = jnp.all(~active | (measured > 0)) & jnp.any(active)
     return jnp.where(known, bound, predicted)
@@ -783,7 +786,7 @@ def _match_class(length: jax.Array) -> jax.Array:
     return jnp.clip(length, 1, MATCH_CLASSES) - 1
 
 
-def _token_estimate(params: PolicyParams, state: PolicyState, features: DrafterFeatures):
+def _token_estimate(policy: PolicyParams, policy_state: PolicyState, features: DrafterFeatures):
     """``goodput``'s acceptance estimate of a drafted token: ``[B]``, the certificate
     estimate ``(C_q / log 2) ** beta`` times the row's calibration ``accepted / predicted``;
     for a proposing drafter's token (``features.match > 0``) the row's acceptance rate of
@@ -791,28 +794,28 @@ def _token_estimate(params: PolicyParams, state: PolicyState, features: DrafterF
     start at ``prior``); in ``[0, 0.999]``."""
     ratio = _cert_ratio(features.cert)
     ratio = jnp.where(jnp.isnan(ratio), 0.0, ratio)
-    calibration = state.accepted / jnp.maximum(state.predicted, 1e-6)
-    estimate = calibration * ratio ** jnp.maximum(params.beta, 1e-6)
+    calibration = policy_state.accepted / jnp.maximum(policy_state.predicted, 1e-6)
+    estimate = calibration * ratio ** jnp.maximum(policy.beta, 1e-6)
     column = _match_class(features.match)[:, None]
-    hits = jnp.take_along_axis(state.match_accepted, column, axis=1)[:, 0]
-    tries = jnp.take_along_axis(state.match_tested, column, axis=1)[:, 0]
+    hits = jnp.take_along_axis(policy_state.match_accepted, column, axis=1)[:, 0]
+    tries = jnp.take_along_axis(policy_state.match_tested, column, axis=1)[:, 0]
     by_match = hits / jnp.maximum(tries, 1e-6)
     return jnp.clip(jnp.where(features.match > 0, by_match, estimate), 0.0, 0.999)
 
 
-def tested_estimate(params: PolicyParams, q_cert: jax.Array, tested: jax.Array) -> jax.Array:
+def tested_estimate(policy: PolicyParams, q_cert: jax.Array, tested: jax.Array) -> jax.Array:
     """The sum of the certificate estimates ``(C_q / log 2) ** beta`` of a round's tested
     tokens: ``[B]`` float32, for :func:`update_policy_state`.
 
     Args:
-      params: the policy (its ``beta``).
+      policy: the policy (its ``beta``).
       q_cert: ``[B, N]`` the drafter's certificate ``C_q`` at each drafted node (``nan``
         for a proposing drafter's point mass: estimate 1).
       tested: ``[B, N]`` bool the nodes the target tested: the drafter's first choice below
         the root and below every accepted node.
     """
     ratio = jnp.where(jnp.isnan(q_cert), 1.0, _cert_ratio(q_cert))
-    estimate = ratio ** jnp.maximum(params.beta, 1e-6)
+    estimate = ratio ** jnp.maximum(policy.beta, 1e-6)
     return jnp.sum(jnp.where(tested, estimate, 0.0), axis=-1)
 
 
@@ -823,8 +826,8 @@ def _cert_ratio(cert: jax.Array) -> jax.Array:
 
 
 def should_continue(
-    params: PolicyParams,
-    state: PolicyState,
+    policy: PolicyParams,
+    policy_state: PolicyState,
     features: DrafterFeatures,
     drafted: jax.Array,
     survival: Survival,
@@ -834,8 +837,8 @@ def should_continue(
     """Whether each row drafts one more token.
 
     Args:
-      params: the policy.
-      state: the per-row policy state.
+      policy: the policy.
+      policy_state: the per-row policy state.
       features: features of the distribution that produced the just-drafted token.
       drafted: ``[B]`` int32 tokens drafted so far this round (the depth, equal in every
         row).
@@ -850,31 +853,31 @@ def should_continue(
       updated :class:`Survival`.
     """
     ratio = _cert_ratio(features.cert)
-    goodput = params.kind == _KINDS.index("goodput")
-    a = jnp.where(goodput, _token_estimate(params, state, features), ratio**params.beta)
-    prob = survival.prob * jnp.where(params.beta > 0, a, 1)
+    goodput = policy.kind == _KINDS.index("goodput")
+    a = jnp.where(goodput, _token_estimate(policy, policy_state, features), ratio**policy.beta)
+    prob = survival.prob * jnp.where(policy.beta > 0, a, 1)
     if alive is not None:
         prob = jnp.where(alive, prob, 0.0)
     survival = Survival(prob=prob, expected=survival.expected + prob)
     deeper, now = _best_deeper(
-        params.costs, survival.expected, prob, a, drafted[0], params.k_max, need
+        policy.costs, survival.expected, prob, a, drafted[0], policy.k_max, need
     )
     decisions = jnp.stack(
         [
-            drafted < params.k,
-            drafted < state.k,
-            features.top >= params.tau,
-            jnp.sqrt(params.c * jnp.maximum(features.entropy, 0.0)) <= params.h,
-            survival.prob >= params.lam,
+            drafted < policy.k,
+            drafted < policy_state.k,
+            features.top >= policy.tau,
+            jnp.sqrt(policy.c * jnp.maximum(features.entropy, 0.0)) <= policy.h,
+            survival.prob >= policy.lam,
             jnp.broadcast_to(deeper > now, drafted.shape),
         ]
     )  # [kinds, B]
-    return decisions[params.kind] & (drafted < params.k_max), survival
+    return decisions[policy.kind] & (drafted < policy.k_max), survival
 
 
 def update_policy_state(
-    params: PolicyParams,
-    state: PolicyState,
+    policy: PolicyParams,
+    policy_state: PolicyState,
     *,
     drafted: jax.Array,
     accepted: jax.Array,
@@ -883,7 +886,7 @@ def update_policy_state(
     match: tuple[jax.Array, jax.Array] | None = None,
     emitted: jax.Array | None = None,
 ) -> PolicyState:
-    """The state after a round that ran the drafter (the ``heuristic`` schedule,
+    """The policy state after a round that ran the drafter (the ``heuristic`` schedule,
     ``goodput``'s acceptance counts, and its measured drafting rate: the round's emitted
     tokens and its cost, ``costs.round_s`` at the batch's depth, depth 0 included: a round
     whose rows read the drafter and drafted nothing is a cost of drafting too; its skip
@@ -891,11 +894,11 @@ def update_policy_state(
     drafted as well: that one was followed by a drafting round).
 
     Args:
-      params: the policy.
-      state: the state before the round.
+      policy: the policy.
+      policy_state: the state before the round.
       drafted: ``[B]`` int32 draft length (depth) of the round.
       accepted: ``[B]`` int32 accepted drafted tokens.
-      active: ``[B]`` bool rows that took part (others keep their state).
+      active: ``[B]`` bool rows that took part (others keep their policy_state).
       predicted: ``[B]`` float32 the sum of the tested tokens' certificate estimates
         (:func:`tested_estimate`); ``None``: estimate 1 for each.
       match: a proposing drafter's ``(accepted, tested)`` ``[B, L]`` float32 tokens of the
@@ -907,33 +910,35 @@ def update_policy_state(
     """
     emitted = accepted + 1 if emitted is None else emitted
     full = accepted >= drafted
-    k = jnp.where(full, state.k + 2, jnp.maximum(state.k - 1, 1))
+    k = jnp.where(full, policy_state.k + 2, jnp.maximum(policy_state.k - 1, 1))
     tested = jnp.minimum(drafted, accepted + 1).astype(jnp.float32)  # the first rejected too
     if predicted is None:
         predicted = tested
     measured = active & (drafted > 0)
-    keep = jnp.where(measured, params.memory, 1.0)  # the past's weight in the counts
+    keep = jnp.where(measured, policy.memory, 1.0)  # the past's weight in the counts
     add = lambda x: jnp.where(measured, x, 0.0)  # noqa: E731  this round's tokens, in full
     depth = jnp.max(jnp.where(active, drafted, 0))  # the batch drafts to its deepest row
     # Every row of the round spent its time, even where no row drafted: reading the drafter
     # and drafting nothing costs more than a plain step, and the skip decision must see it.
     took = active
-    at = jnp.arange(state.rounds.shape[1]) == jnp.minimum(depth, state.rounds.shape[1] - 1)
-    match_accepted, match_tested = state.match_accepted, state.match_tested
+    at = jnp.arange(policy_state.rounds.shape[1]) == jnp.minimum(
+        depth, policy_state.rounds.shape[1] - 1
+    )
+    match_accepted, match_tested = policy_state.match_accepted, policy_state.match_tested
     if match is not None:
         hits, tries = (jnp.where(active[:, None], x, 0.0) for x in match)
-        fade = jnp.where(tries > 0, params.memory, 1.0)
+        fade = jnp.where(tries > 0, policy.memory, 1.0)
         match_accepted = fade * match_accepted + hits
         match_tested = fade * match_tested + tries
     return PolicyState(
-        k=jnp.where(active, jnp.minimum(k, params.k_max), state.k),
-        accepted=keep * state.accepted + add(accepted.astype(jnp.float32)),
-        tested=keep * state.tested + add(tested),
-        predicted=keep * state.predicted + add(predicted),
-        skipped=jnp.zeros_like(state.skipped),
-        losses=jnp.where(state.skipped == 0, 0, state.losses),
-        emitted=state.emitted + jnp.where(took, emitted, 0).astype(jnp.float32),
-        rounds=state.rounds + (took[:, None] & at[None, :]).astype(jnp.float32),
+        k=jnp.where(active, jnp.minimum(k, policy.k_max), policy_state.k),
+        accepted=keep * policy_state.accepted + add(accepted.astype(jnp.float32)),
+        tested=keep * policy_state.tested + add(tested),
+        predicted=keep * policy_state.predicted + add(predicted),
+        skipped=jnp.zeros_like(policy_state.skipped),
+        losses=jnp.where(policy_state.skipped == 0, 0, policy_state.losses),
+        emitted=policy_state.emitted + jnp.where(took, emitted, 0).astype(jnp.float32),
+        rounds=policy_state.rounds + (took[:, None] & at[None, :]).astype(jnp.float32),
         match_accepted=match_accepted,
         match_tested=match_tested,
     )
@@ -970,15 +975,15 @@ def tree_match_counts(tree: DraftTree, tested: jax.Array, accepted: jax.Array):
     return match_counts(jnp.where(tree.valid, length, 0), tested, accepted)
 
 
-def skipped_round(state: PolicyState, count=1, rows=None) -> PolicyState:
-    """The state after ``count`` rounds (``[]`` int32 or ``int``) that skipped the drafter
+def skipped_round(policy_state: PolicyState, count=1, rows=None) -> PolicyState:
+    """The policy state after ``count`` rounds (``[]`` int32 or ``int``) that skipped the drafter
     (plain target steps): a skip right after a drafting round counts that round as a losing
     measurement, weighed by the ``rows`` (``[]`` int32 or ``int``; default: the batch) it
     measured: ``losses`` counts row-rounds, so a batch of 8 rows measures as much in one
     round as a single row in 8."""
     ran = jnp.asarray(count, jnp.int32)
-    rows = state.skipped.shape[0] if rows is None else rows
-    lost = (state.skipped == 0) & (ran > 0)
-    return state.replace(
-        skipped=state.skipped + ran, losses=state.losses + jnp.where(lost, rows, 0)
+    rows = policy_state.skipped.shape[0] if rows is None else rows
+    lost = (policy_state.skipped == 0) & (ran > 0)
+    return policy_state.replace(
+        skipped=policy_state.skipped + ran, losses=policy_state.losses + jnp.where(lost, rows, 0)
     )

@@ -107,7 +107,7 @@ class FeatureDrafter(Protocol):
     def init_cache(self, batch_size: int, max_length: int) -> Cache: ...
 
     def fuse(self, target_states: jax.Array) -> jax.Array:
-        """``[B, T, C]`` target states (``C = len(taps) * E``, or ``E``) -> ``[B, T, E]``."""
+        """``[B, T, Z]`` target states (``Z = len(taps) * E``, or ``E``) -> ``[B, T, E]``."""
         ...
 
     def features(
@@ -153,7 +153,7 @@ def context_before(head: _Fuses, target_states: jax.Array) -> jax.Array:
 
     Args:
       head: the draft head (its :meth:`FeatureDrafter.fuse`).
-      target_states: ``[B, T, C]`` the target's states after reading each token.
+      target_states: ``[B, T, Z]`` the target's states after reading each token.
     """
     return shifted_right(head.fuse(target_states))  # [B, T, E]
 

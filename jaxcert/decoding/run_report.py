@@ -224,8 +224,8 @@ def bootstrap_speedup(
     so long and short prompts weigh by their tokens and seconds, as in the point estimate.
 
     Args:
-      base_tokens, base_s: ``[U]`` tokens and decode seconds of the baseline per unit.
-      new_tokens, new_s: ``[U]`` the same for the method measured.
+      base_tokens, base_s: ``[units]`` tokens and decode seconds of the baseline per unit.
+      new_tokens, new_s: ``[units]`` the same for the method measured.
       samples: bootstrap resamples.
       seed: of the resampling.
 

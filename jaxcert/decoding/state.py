@@ -182,8 +182,9 @@ class DecodeState:
       target_cache: the target's cache (``B`` rows, ``n - 1`` committed per row).
       drafter_cache: the drafter's cache (``B * M`` rows: one per tree branch);
         ``None`` in the target-only decoder.
-      drafter_context: for a draft head, ``[B, W, C]`` the target's states at the positions
-        before the ``W`` tokens it re-reads next round (``C``: the head's input width);
+      drafter_context: for a draft head, ``[B, width, Z]`` the target's states at the
+        positions before the tokens it re-reads next round (``width``: the widest re-read,
+        ``DecodeConfig.reread``; ``Z``: the head's input width);
         ``None`` otherwise.
       policy: the policy's per-row state; ``None`` in the target-only decoder.
       key: PRNG key (used by sampling only).

@@ -2,7 +2,7 @@
 
 A drafter object is static (hashable, holds no arrays: it is a static argument of the
 jitted programs); its parameters travel beside it as a traced ``nnx.State``. Shape letters
-as in :mod:`jaxcert.decoding`: ``B`` rows, ``W`` prompt width, ``S`` cache slots, ``E`` the
+as in :mod:`jaxcert.decoding`: ``B`` rows, ``T`` prompt width, ``S`` cache slots, ``E`` the
 drafter's hidden width (what :meth:`Drafter.step` hands a drafted token's children), ``Z``
 the width of the target states a drafter reads (``docs/glossary.md``).
 """
@@ -52,8 +52,8 @@ class Drafter(Protocol):
         self, params: nnx.State, prompt: jax.Array, lengths: jax.Array, states, *,
         slots: int, chunk: int, copies: int, width: int,
     ) -> tuple[Cache, jax.Array | None, jax.Array]:  # fmt: skip
-        """Reads the ``[B, W]`` prompts (``lengths`` ``[B]``) in chunks of ``chunk`` tokens;
-        ``states`` ``[B, W, Z]`` the target's states (``None`` unless :attr:`taps`).
+        """Reads the ``[B, T]`` prompts (``lengths`` ``[B]``) in chunks of ``chunk`` tokens;
+        ``states`` ``[B, T, Z]`` the target's states (``None`` unless :attr:`taps`).
 
         Returns ``(cache, context, start)``: its cache of ``B * copies`` rows and ``slots``
         slots, the ``[B, width, Z]`` target states its first re-read reads (``None``: it
@@ -102,7 +102,7 @@ class Drafter(Protocol):
 
 def read_chunks(prompt: jax.Array, lengths: jax.Array, chunk: int, read, cache: Cache) -> Cache:
     """``cache`` after ``read(window, start, cache)`` of each ``[B, chunk]`` window of the
-    ``[B, W]`` prompts that holds a prompt token (``W`` a multiple of ``chunk``); every
+    ``[B, T]`` prompts that holds a prompt token (``T`` a multiple of ``chunk``); every
     window is committed in full (the caller rolls back to the lengths)."""
     count = -(-jnp.max(lengths) // chunk)  # windows that hold a token
 

@@ -36,7 +36,7 @@ class HeadDrafter:
     def prefill(self, params, prompt, lengths, states, *, slots, chunk, copies, width):
         head = self._model(params)
         b = prompt.shape[0]
-        before = context_before(head, states)  # [B, W, E]: the fused states before each token
+        before = context_before(head, states)  # [B, T, E]: the fused states before each token
 
         def read(window, start, cache):
             ctx = jax.lax.dynamic_slice_in_dim(before, start, window.shape[1], axis=1)
