@@ -127,8 +127,8 @@ def model_from_tensors(
     abstract = nnx.eval_shape(
         lambda: Transformer(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype)
     )
-    graphdef, state = nnx.split(abstract)
-    pure = nnx.to_pure_dict(state)
+    graphdef, params = nnx.split(abstract)
+    pure = nnx.to_pure_dict(params)
     if placement is not None:
         targets = nnx.to_pure_dict(sharding_lib.shardings(abstract, placement))
     for name, (path, hf_shape) in layout.items():
@@ -152,9 +152,9 @@ def model_from_tensors(
             array = sharding_lib.place(np.asarray(value), where, dtype, transpose=transpose)
         del value
         if array.shape != target.shape:  # pragma: no cover - layout and module disagree
-            raise AssertionError(f"{name}: {array.shape} vs state {target.shape}")
+            raise AssertionError(f"{name}: {array.shape} vs params {target.shape}")
         node[path[-1]] = array
-    nnx.replace_by_pure_dict(state, pure)
-    model = nnx.merge(graphdef, state)
+    nnx.replace_by_pure_dict(params, pure)
+    model = nnx.merge(graphdef, params)
     model.layout = placement
     return model

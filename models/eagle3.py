@@ -194,10 +194,10 @@ def export_head(
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}.")
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {tuple(_DTYPES)}, got {dtype!r}.")
-    state = nnx.to_pure_dict(nnx.state(head))
+    params = nnx.to_pure_dict(nnx.state(head))
     tensors: dict[str, np.ndarray] = {}
     for name, (path, transposed) in _tensor_map(head.config.qkv_bias, format).items():
-        value = jnp.asarray(_at(state, path)).astype(_DTYPES[dtype])
+        value = jnp.asarray(_at(params, path)).astype(_DTYPES[dtype])
         tensors[name] = np.ascontiguousarray(np.asarray(value.T if transposed else value))
     if format == "eagle3" or head.draft_vocab is not None:  # speculators: only if reduced
         tensors.update(_vocab_tensors(head))
@@ -461,8 +461,8 @@ def import_head(folder: str | os.PathLike, target: Transformer) -> EagleHead:
         norm_before_residual=_flag(layer, "norm_before_residual", where, fmt == "speculators"),
         attention_bias=bias,
     )
-    graphdef, state = nnx.split(head)
-    pure = nnx.to_pure_dict(state)
+    graphdef, params = nnx.split(head)
+    pure = nnx.to_pure_dict(params)
     for name, (path, transposed) in expected.items():
         value = stored[name]
         want = _at(pure, path)
@@ -491,8 +491,8 @@ def import_head(folder: str | os.PathLike, target: Transformer) -> EagleHead:
                 f"{folder / _WEIGHTS}: metadata {_OOV_KEY}={text!r} is not a finite float32."
             )
         _set(pure, ("oov_logit",), jnp.asarray(value))
-    nnx.replace_by_pure_dict(state, pure)
-    return nnx.merge(graphdef, state)
+    nnx.replace_by_pure_dict(params, pure)
+    return nnx.merge(graphdef, params)
 
 
 def _flag(config: Mapping[str, Any], name: str, where: str, default: bool = False) -> bool:

@@ -138,12 +138,12 @@ def save_hf(
     kwargs = hf_config_dict(config, dtype)
     model_type = kwargs.pop("model_type")
     hf = transformers.AutoConfig.for_model(model_type, **kwargs)
-    state = nnx.to_pure_dict(nnx.state(loaded.model))
+    params = nnx.to_pure_dict(nnx.state(loaded.model))
     layout = hf_layout(config)
     interleaved = config.rope_layout == "interleaved"
 
     def tensor(name: str, path: tuple) -> np.ndarray:
-        node: Any = state
+        node: Any = params
         for key in path:
             node = node[key]
         value = np.asarray(jnp.asarray(node).astype(_DTYPES[dtype]))

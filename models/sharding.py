@@ -268,8 +268,8 @@ def shard(model: nnx.Module, mesh: Mesh, rules=LOGICAL_RULES) -> nnx.Module:
     if not isinstance(model, nnx.Module):
         raise ValueError(f"shard needs an nnx.Module, got {type(model).__name__}.")
     layout = Layout.create(mesh, rules)
-    graphdef, state = nnx.split(model)
-    placed = jax.device_put(state, shardings(model, layout))
+    graphdef, params = nnx.split(model)
+    placed = jax.device_put(params, shardings(model, layout))
     new = nnx.merge(graphdef, placed)
     _attach(new, layout)
     return new

@@ -518,10 +518,10 @@ def truncate(model: Transformer, num_layers: int) -> Transformer:
     abstract = nnx.eval_shape(
         lambda: Transformer(config, rngs=nnx.Rngs(0), dtype=model.dtype, param_dtype=param_dtype)
     )
-    graphdef, state = nnx.split(abstract)
+    graphdef, params = nnx.split(abstract)
     pure = nnx.to_pure_dict(nnx.state(model))
     pure["layers"] = {i: pure["layers"][i] for i in range(num_layers)}
-    nnx.replace_by_pure_dict(state, pure)
-    out = nnx.merge(graphdef, state)
+    nnx.replace_by_pure_dict(params, pure)
+    out = nnx.merge(graphdef, params)
     out.layout = model.layout
     return out

@@ -65,19 +65,19 @@ def _median_ms(fn, *args, repeats: int, **kw) -> float:
 
 def time_step(model, filled: int, repeats: int, **kw) -> float:
     """Milliseconds of one one-token `forward` of `model` on a cache of `filled` entries."""
-    graphdef, state = nnx.split(model)
+    graphdef, params = nnx.split(model)
     cache = model.init_cache(1, filled + 8).commit(filled)
     step = jax.jit(models.forward, static_argnums=0)
     tokens = jnp.ones((1, 1), jnp.int32)
-    return _median_ms(step, graphdef, state, tokens, cache, repeats=repeats, **kw)
+    return _median_ms(step, graphdef, params, tokens, cache, repeats=repeats, **kw)
 
 
 def time_fuse(head, repeats: int) -> float:
     """Milliseconds of `head.fuse` of one position's tapped states."""
-    graphdef, state = nnx.split(head)
+    graphdef, params = nnx.split(head)
     fuse = jax.jit(lambda g, s, x: nnx.merge(g, s).fuse(x), static_argnums=0)
     width = len(head.taps) * head.config.hidden_size
-    return _median_ms(fuse, graphdef, state, jnp.ones((1, 1, width)), repeats=repeats)
+    return _median_ms(fuse, graphdef, params, jnp.ones((1, 1, width)), repeats=repeats)
 
 
 def run(config: models.ModelConfig, *, draft_size: int, context: int, repeats: int) -> dict:

@@ -148,11 +148,11 @@ class Progress:
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("row_cache",))
-def _prefill_piece(state, tokens, count, row_cache, *, graphdef):
+def _prefill_piece(params, tokens, count, row_cache, *, graphdef):
     """Feeds ``tokens`` ``[1, T]`` (``count`` real) to a one-row cache and commits them.
 
     Returns the logits ``[1, V]`` after the last real token (the lm_head runs on it only)."""
-    model = nnx.merge(graphdef, state)
+    model = nnx.merge(graphdef, params)
     hidden, row_cache = model.features(tokens, row_cache)
     last = lax.dynamic_index_in_dim(hidden, count - 1, axis=1, keepdims=False)  # [1, E]
     return model.project(last), row_cache.commit(count)
@@ -172,7 +172,7 @@ def _install(cache, logits, step, active, row_cache, row_logits, slot):
     static_argnames=("graphdef", "rules", "length", "top", "eos", "steps"),
     donate_argnames=("cache", "logits", "step", "active"),
 )
-def _decode_chunk(state, cache, logits, step, active, *, graphdef, rules, length, top, eos, steps):
+def _decode_chunk(params, cache, logits, step, active, *, graphdef, rules, length, top, eos, steps):
     """``length`` greedy steps of every slot; records statistics and certificates.
 
     A slot records while ``active``; it stops after ``steps`` recorded positions or (with
@@ -185,7 +185,7 @@ def _decode_chunk(state, cache, logits, step, active, *, graphdef, rules, length
         certs = certificates(logits, rules)
         record = (st, tuple(c.value for c in certs), active, step)
         token = st.greedy_token
-        new_logits, cache = models.decode_step(graphdef, state, token, cache, active)
+        new_logits, cache = models.decode_step(graphdef, params, token, cache, active)
         step = step + active.astype(jnp.int32)
         active = active & (step < steps)
         if eos:

@@ -437,8 +437,8 @@ def train_head_on_records(
         from safetensors.numpy import load_file
 
         saved = load_file(folder / "optimizer.safetensors")  # type: ignore[operator]
-        state = nnx.state(optimizer, nnx.optimizer.OptState)
-        leaves, treedef = jax.tree.flatten(state)
+        opt_state = nnx.state(optimizer, nnx.optimizer.OptState)
+        leaves, treedef = jax.tree.flatten(opt_state)
         restored = [jnp.asarray(saved[f"{i:05d}"], x.dtype) for i, x in enumerate(leaves)]
         nnx.update(optimizer, jax.tree.unflatten(treedef, restored))
 
