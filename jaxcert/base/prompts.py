@@ -292,7 +292,8 @@ def pad_prompts(
     lengths = np.array([len(p) for p in rows], np.int32)
     if lengths.min() < minimum:
         raise ValueError(
-            f"every prompt needs at least {minimum} tokens; prompt {int(lengths.argmin())} "
+            f"every prompt needs at least {minimum} token{'s' if minimum != 1 else ''}; "
+            f"prompt {int(lengths.argmin())} "
             f"has {lengths.min()}"
         )
     w = int(lengths.max()) if width is None else width

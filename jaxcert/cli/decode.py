@@ -226,18 +226,17 @@ def run(args) -> int:
 
     policy, config = _config(args)  # validates temperature against the rule before loading
     given_costs = None
-    if args.costs is not None and isinstance(policy, decoding.Goodput):
+    if args.costs is not None and not isinstance(policy, decoding.Goodput):
+        raise ValueError(f"--costs is goodput's pass costs; --policy {policy.spec} weighs none")
+    if args.costs is not None:
         given_costs = decoding.GoodputController.load(args.costs)  # checked before loading
     out = args.out
     replace = run_report.check_output(out, overwrite=args.overwrite)  # before any loading
     device_mesh = mesh_lib.make_mesh(args.mesh)
     mesh = device_mesh if device_mesh.size > 1 else None  # one device: no placement at all
     check_vocabularies(args.target, args.drafter)  # from the configs: no weights read yet
-    out.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    cache_dir = jaxcert.enable_compilation_cache()  # a rerun on this machine compiles nothing
     prompt_set = load_prompt_set(args.prompts, turn=args.turn, max_prompts=args.max_prompts)
-    if given_costs is not None and isinstance(policy, decoding.Goodput):  # before loading
+    if given_costs is not None:  # before loading, and before the output folder is made
         n, size = len(prompt_set), args.batch_size
         missing = sorted({min(size, n - i) for i in range(0, n, size)} - set(given_costs.table))
         if missing:
@@ -245,6 +244,9 @@ def run(args) -> int:
                 f"--costs {args.costs} has no costs for batches of {missing} rows "
                 f"(it has {sorted(given_costs.table)})"
             )
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    cache_dir = jaxcert.enable_compilation_cache()  # a rerun on this machine compiles nothing
     print(f"[jaxcert] loading target {args.target} and drafter {args.drafter} ...",
           file=sys.stderr, flush=True)  # fmt: skip
     target, drafter, load_s = _load(args, mesh)

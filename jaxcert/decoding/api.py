@@ -135,7 +135,8 @@ def speculative_decode(
       ValueError: mismatched vocabularies, short prompts or an invalid config; prompts plus
         ``max_new_tokens`` plus the draft depth longer than a model's context
         (``max_position_embeddings``); models on different meshes or an ``Explicit`` mesh;
-        ``goodput`` costs without this batch size or the config's verification widths.
+        ``goodput`` costs without this batch size (a width between measured ones is
+        interpolated, one past the widest priced as the widest).
     """
     p = pair(target, drafter, config=config, policy=policy, mesh=mesh)
     c = p.config

@@ -26,6 +26,7 @@ import json
 import os
 import pathlib
 import platform
+import re
 import time
 
 import jax
@@ -195,27 +196,32 @@ class PassCosts:
             finite, or not positive where it must be (rows, a target pass's width and
             seconds, ``round_scale``; ``drafter_s`` may be 0).
         """
-        if not isinstance(data, dict) or data.get("format") != FORMAT:
-            found = data.get("format") if isinstance(data, dict) else type(data).__name__
+        found = data.get("format") if isinstance(data, dict) else type(data).__name__
+        if type(found) is not int or found != FORMAT:
             raise ValueError(f"pass costs of format {found!r}, expected {FORMAT}")
         try:
             if not isinstance(data["target_s"], dict) or not data["target_s"]:
                 raise ValueError(f"target_s must map widths to seconds, got {data['target_s']!r}")
             target = {
-                _count("a width of target_s", k): _number(f"target_s[{k}]", v)
+                _width("a width of target_s", k): _number(f"target_s[{k}]", v)
                 for k, v in data["target_s"].items()
             }
+            if not isinstance(data.get("drafting", {}), dict):
+                raise ValueError(f"drafting must map modes to counts, got {data['drafting']!r}")
+            rows = data["rows"]
+            if type(rows) is not int or rows < 1:
+                raise ValueError(f"rows must be a positive integer, got {rows!r}")
             costs = cls(
-                rows=_count("rows", data["rows"]),
+                rows=rows,
                 target_s=target,
                 drafter_s=_number("drafter_s", data["drafter_s"], ">= 0"),
                 round_overhead_s=_number(
                     "round_overhead_s", data.get("round_overhead_s", 0), "any"
                 ),
                 step_overhead_s=_number("step_overhead_s", data.get("step_overhead_s", 0), "any"),
-                round_scale=_number("round_scale", data.get("round_scale", 1.0)),
+                round_scale=_number("round_scale", data.get("round_scale", 1.0), "> 0", 1e3),
                 drafting={
-                    str(mode): _past(past) for mode, past in data.get("drafting", {}).items()
+                    str(mode): _past(mode, past) for mode, past in data.get("drafting", {}).items()
                 },
             )
         except (KeyError, TypeError, AttributeError) as err:
@@ -223,12 +229,11 @@ class PassCosts:
         return costs
 
 
-def _count(name: str, value) -> int:
-    """``value`` (an int, or its decimal text as a JSON key) as an int ``>= 1``."""
-    text = str(value).strip() if isinstance(value, (int, str)) and value is not True else ""
-    if not text.isdigit() or int(text) < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(text)
+def _width(name: str, key) -> int:
+    """A width written as a JSON key: decimal digits, no sign, space or leading zero."""
+    if not isinstance(key, str) or not re.fullmatch(r"[1-9][0-9]{0,5}", key):
+        raise ValueError(f"{name} must be a positive integer, got {key!r}")
+    return int(key)
 
 
 def _overhead(data: dict, kind: str) -> float:
@@ -236,27 +241,36 @@ def _overhead(data: dict, kind: str) -> float:
     return _number(f"{kind}_overhead_s", data.get(f"{kind}_overhead_s", 0.0), "any")
 
 
-def _number(name: str, value, need: str = "> 0") -> float:
-    """``value`` as a finite float that meets ``need`` (``"> 0"``, ``">= 0"`` or ``"any"``)."""
+# No pass, overhead or count of a cost file is this large in magnitude (seconds: ~11
+# days), and float32, which the decoder weighs in, holds every value below it.
+LARGEST = 1e6
+
+
+def _number(name: str, value, need: str = "> 0", largest: float = LARGEST) -> float:
+    """``value`` as a float that meets ``need`` (``"> 0"``, ``">= 0"`` or ``"any"``), of
+    magnitude at most ``largest`` (a positive one at least ``1e-9``)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a number, got {value!r}")
-    x = float(value)
-    ok = {"> 0": x > 0, ">= 0": x >= 0, "any": True}[need]
-    if not (np.isfinite(x) and ok):
+    try:
+        x = float(value)
+    except OverflowError:
+        x = float("inf")
+    ok = {"> 0": x >= 1e-9, ">= 0": x == 0 or x >= 1e-9, "any": True}[need]
+    if not (np.isfinite(x) and abs(x) <= largest and ok):
         what = "finite" if need == "any" else f"finite and {need}"
-        raise ValueError(f"{name} must be {what}, got {value!r}")
+        shown = f"{value!r}" if len(repr(value)) < 40 else repr(value)[:37] + "..."
+        raise ValueError(f"{name} must be {what}, at most {largest:g} in size, got {shown}")
     return x
 
 
-def _past(data: dict) -> PastDrafting:
-    """A :class:`PastDrafting` from its JSON form; ``ValueError`` unless ``rounds`` is a
-    list of numbers and every value is finite and ``>= 0``."""
-    if not isinstance(data["rounds"], list):
-        raise ValueError(f"drafting rounds must be a list, got {data['rounds']!r}")
-    values = [float(data["emitted"])] + [float(r) for r in data["rounds"]]
-    if not all(np.isfinite(v) and v >= 0 for v in values):
-        raise ValueError(f"drafting counts must be finite and >= 0, got {data!r}")
-    return PastDrafting(values[0], tuple(values[1:]))
+def _past(mode, data) -> PastDrafting:
+    """A :class:`PastDrafting` from its JSON form; ``ValueError`` unless it is an object
+    with ``emitted`` and a list ``rounds`` of numbers ``>= 0``."""
+    if not isinstance(data, dict) or not isinstance(data.get("rounds"), list):
+        raise ValueError(f"drafting[{mode!r}] must hold emitted and a list of rounds, got {data!r}")
+    emitted = _number(f"drafting[{mode!r}].emitted", data.get("emitted"), ">= 0", 1e12)
+    rounds = [_number(f"drafting[{mode!r}].rounds", r, ">= 0", 1e12) for r in data["rounds"]]
+    return PastDrafting(emitted, tuple(rounds))
 
 
 def _corrected(

@@ -33,6 +33,7 @@ import jax
 import numpy as np
 
 from jaxcert.base.folders import atomic_write
+from jaxcert.base.validate import check_int
 from jaxcert.decoding import costs as costs_lib
 from jaxcert.decoding.config import DecodeConfig
 from jaxcert.decoding.costs import CostTracker, PassCosts, PastDrafting
@@ -47,13 +48,16 @@ def _widths(config: DecodeConfig) -> set[int]:
     return {1} | {b + 1 for b in config.verify_buckets()}
 
 
-def read_costs(path: str | os.PathLike, config: DecodeConfig | None = None) -> PassCosts:
+def read_costs(
+    path: str | os.PathLike, config: DecodeConfig | None = None, rows: int | None = None
+) -> PassCosts:
     """The :class:`~jaxcert.decoding.costs.PassCosts` kept in the JSON file at ``path``.
 
     Args:
       path: a file :meth:`GoodputController.save` (or ``scripts/bench_pass_width.py``) wrote.
       config: when given, every target width a decoder with this config verifies at must
         be in the file.
+      rows: when given, the batch rows the costs must be for.
 
     Raises:
       ValueError: an unreadable or malformed file, a number that is not finite (or not
@@ -65,6 +69,8 @@ def read_costs(path: str | os.PathLike, config: DecodeConfig | None = None) -> P
         costs = PassCosts.from_json(json.loads(path.read_text()))
     except (OSError, ValueError) as err:  # json.JSONDecodeError is a ValueError
         raise ValueError(f"pass costs {path}: {err}") from None
+    if rows is not None and costs.rows != rows:
+        raise ValueError(f"pass costs {path}: for {costs.rows} rows, expected {rows}")
     if config is not None:
         missing = sorted(_widths(config) - set(costs.target_s))
         if missing:
@@ -78,6 +84,8 @@ def _write(path: pathlib.Path, body: dict) -> None:
 
 
 def _as_table(costs) -> dict[int, PassCosts]:
+    if not isinstance(costs, (PassCosts, list, tuple, dict)) and not hasattr(costs, "__iter__"):
+        raise ValueError(f"GoodputController needs PassCosts, got {costs!r}")
     items = [costs] if isinstance(costs, PassCosts) else list(costs)
     if not all(isinstance(c, PassCosts) for c in items):
         raise ValueError(f"GoodputController needs PassCosts, got {costs!r}")
@@ -157,7 +165,8 @@ class GoodputController:
         )  # fmt: skip
         controller = cls((), correct=correct)
         controller._source = source
-        for size in [rows] if isinstance(rows, int) else sorted(set(rows)):
+        sizes = [rows] if isinstance(rows, int) else list(rows)
+        for size in sorted({check_int("GoodputController.calibrate rows", r) for r in sizes}):
             controller._calibrate(size)
         return controller
 
@@ -170,9 +179,16 @@ class GoodputController:
             context=src["context"], folder=src["folder"],
         )  # fmt: skip
         costs = None
+        if (
+            path.exists()
+            and not path.is_file()
+            or path.parent.exists()
+            and not path.parent.is_dir()
+        ):
+            raise ValueError(f"pass costs {path}: not a file (the calibration is kept there)")
         if path.is_file():
             try:
-                costs = read_costs(path, src["config"])
+                costs = read_costs(path, src["config"], rows)
             except ValueError as err:
                 warnings.warn(f"{err}; measuring again", stacklevel=3)
         if costs is None:
@@ -218,6 +234,8 @@ class GoodputController:
           ValueError: ``path`` is ``None`` and a batch size has no calibration file.
         """
         if path is not None:
+            if pathlib.Path(path).is_dir():
+                raise ValueError(f"GoodputController.save: {path} is a folder, not a file")
             body = {str(r): c.to_json() for r, c in sorted(self.table.items())}
             _write(pathlib.Path(path), body)
             return

@@ -20,6 +20,7 @@ import numpy as np
 from jaxcert import models
 from jaxcert.base.programs import Programs
 from jaxcert.base.prompts import pad_prompts
+from jaxcert.base.validate import check_int
 from jaxcert.decoding import loop
 from jaxcert.decoding import node_stats as stats_lib
 from jaxcert.decoding import policies as policies_lib
@@ -61,6 +62,8 @@ class Batch:
         is :func:`~jaxcert.decoding.config.prompt_room` of the longest prompt, so prompts
         of any length up to 512 tokens share one program."""
         minimum = 1 if config is None else 2
+        if prompt_width is not None:
+            check_int("prompt_width", prompt_width)
         _, lengths = pad_prompts(
             prompts, width=prompt_width, minimum=minimum, vocab_size=vocab_size
         )

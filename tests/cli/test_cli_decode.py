@@ -227,12 +227,16 @@ def test_decode_with_goodput_and_given_costs(files, monkeypatch, capsys, tmp_pat
     assert "measuring pass costs" not in capsys.readouterr().err
     rows = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
     assert rows and all(r["identical"] for r in rows)
+    argv = _argv(files, files["root"] / "out-not-goodput", "--costs", str(costs))
+    assert cli.main(argv) == 2  # svip weighs no costs: the flag is refused, not ignored
+    assert "--costs is goodput's pass costs" in capsys.readouterr().err
     costs.write_text(json.dumps({"4": dataclasses.replace(dear, rows=4).to_json()}))
     _no_loading(monkeypatch)
     argv = _argv(files, files["root"] / "out-goodput-2", "--costs", str(costs))
     argv[argv.index("--policy") + 1] = "goodput"
     assert cli.main(argv) == 2
     assert "no costs for batches of [2] rows" in capsys.readouterr().err
+    assert not (files["root"] / "out-goodput-2").exists()  # refused before the folder is made
 
 
 def test_decode_with_goodput_corrects_and_keeps_its_costs(files, monkeypatch, tmp_path):

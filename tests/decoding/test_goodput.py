@@ -582,12 +582,18 @@ def test_calibrate_measures_once_and_keeps_the_result(pair, tmp_path, monkeypatc
 @pytest.mark.parametrize(
     "field, value, message",
     [
-        ("drafter_s", float("nan"), "drafter_s must be finite and >= 0, got nan"),
+        ("drafter_s", float("nan"), "drafter_s must be finite and >= 0, .*got nan"),
         ("target_s", {}, "target_s must map widths to seconds, got {}"),
-        ("round_scale", -3.0, "round_scale must be finite and > 0, got -3.0"),
-        ("round_overhead_s", float("inf"), "round_overhead_s must be finite, got inf"),
+        ("round_scale", -3.0, "round_scale must be finite and > 0, .*got -3.0"),
+        ("round_overhead_s", float("inf"), "round_overhead_s must be finite, .*got inf"),
         ("target_s", {"1": 0.0, "2": 1.0, "3": 1.0}, r"target_s\[1\] must be finite and > 0"),
         ("rows", "two", "rows must be a positive integer, got 'two'"),
+        ("rows", 5, "for 5 rows, expected 3"),
+        ("drafter_s", 10**400, "drafter_s must be finite and >= 0, at most 1e\\+06 in size"),
+        ("target_s", {"01": 1.0}, "a width of target_s must be a positive integer, got '01'"),
+        ("format", True, "pass costs of format True, expected 1"),
+        ("drafting", {"greedy": {"emitted": "1", "rounds": [1.0]}}, "emitted must be a number"),
+        ("drafting", None, "drafting must map modes to counts, got None"),
         ("target_s", {"0": 1.0}, "a width of target_s must be a positive integer, got '0'"),
         ("drafter_s", True, "drafter_s must be a number, got True"),
     ],
@@ -606,7 +612,7 @@ def test_a_damaged_calibration_is_named_and_measured_again(pair, tmp_path, field
     data[field] = value
     path.write_text(json.dumps(data))
     with pytest.raises(ValueError, match=message):
-        goodput_lib.read_costs(path)
+        goodput_lib.read_costs(path, rows=3)
     with pytest.warns(UserWarning, match=f"pass costs {path}: "):
         controller = calibrate()
     fresh = controller.costs(3)
@@ -620,6 +626,27 @@ def test_a_damaged_calibration_is_named_and_measured_again(pair, tmp_path, field
     controller.save()
     kept = goodput_lib.read_costs(path)
     assert np.isfinite(kept.round_overhead_s) and kept.round_scale > 0
+
+
+def test_calibrate_refuses_a_folder_where_its_file_goes_and_bad_rows(pair, tmp_path):
+    config = decoding.DecodeConfig(verification="greedy", max_new_tokens=4, max_draft=2)
+    path = costs_lib.cache_path(
+        *pair, rows=3, config=resolved_config(config, *pair, decoding.Goodput()).shape_only(),
+        folder=tmp_path,
+    )  # fmt: skip
+    path.mkdir(parents=True)
+    with pytest.raises(ValueError, match=f"pass costs {path}: not a file"):
+        GoodputController.calibrate(*pair, config=config, rows=3, folder=tmp_path)
+    for rows in (True, 0, 2.5, "3"):
+        with pytest.raises(ValueError, match="calibrate rows must be an integer >= 1"):
+            GoodputController.calibrate(*pair, config=config, rows=[rows], folder=tmp_path)
+    for bad in (None, 3):
+        with pytest.raises(ValueError, match="GoodputController needs PassCosts"):
+            GoodputController(bad)
+    with pytest.raises(ValueError, match="is a folder, not a file"):
+        GoodputController(MIXED).save(tmp_path)
+    with pytest.raises(ValueError, match="prompt_width must be an integer >= 1, got 65.0"):
+        decoding.target_decode(pair[0], PROMPTS, max_new_tokens=2, prompt_width=65.0)
 
 
 def test_a_cost_table_file_names_what_is_wrong(tmp_path):
