@@ -98,7 +98,7 @@ def speculative_decode(
 
     Args:
       target, drafter: ``models.LoadedModel`` or ``nnx.Module`` (same vocabulary), or
-        ``(graphdef, params)`` pairs; on one device or on a mesh (see the module docstring).
+        ``(graphdef, policy_params)`` pairs; on one device or on a mesh (see the module docstring).
         The drafter may be a draft head (:class:`jaxcert.models.EagleHead`) or an
         :class:`~jaxcert.decoding.ngram.NgramDrafter` (one-hot proposals; it takes the
         target's vocabulary size).
@@ -146,19 +146,20 @@ def speculative_decode(
         eos_ids=c.eos_ids, key=key, prompt_width=prompt_width,
     )  # fmt: skip
     goodput = _goodput(policy, costs, p, batch)
-    params = _policy_params(policy, c, goodput, p.placement)
+    policy_params = _policy_params(policy, c, goodput, p.placement)
     if (
         goodput is not None
         and goodput.prior is not None
-        and host.never_drafts(params, c.shape_only(), int(batch.prompt.shape[0]))
+        and host.never_drafts(policy_params, c.shape_only(), int(batch.prompt.shape[0]))
     ):
         return _without_drafter(
-            p.models["target"], prompts, c, goodput, params, key=key, prompt_width=batch.width,
-            progress=progress, mesh=mesh, on_compile=on_compile, programs=programs,
+            p.models["target"], prompts, c, goodput, policy_params, key=key,
+            prompt_width=batch.width, progress=progress, mesh=mesh, on_compile=on_compile,
+            programs=programs,
         )  # fmt: skip
     programs = default_programs() if programs is None else programs
-    compiled = host.compile_speculative(p, batch, params, programs, on_compile)
-    calls = host.SpeculativeCalls(compiled, params, c.shape_only(), goodput, p.placement)
+    compiled = host.compile_speculative(p, batch, policy_params, programs, on_compile)
+    calls = host.SpeculativeCalls(compiled, policy_params, c.shape_only(), goodput, p.placement)
     state, prefill_s, decode_s, timed = host.drive(compiled.prefill, calls, batch.rows, progress)
     if goodput is not None and compiled.steps is not None:
         goodput.finish(*host.drafted(state, batch.rows, goodput.prior))
@@ -166,7 +167,7 @@ def speculative_decode(
     return DecodeOutput(
         tokens, calls.stats(batch.rows), rounds, prefill_s, decode_s, compiled.compile_s,
         compiled.compiled,
-        round_costs=jax.device_get(calls.params.costs) if goodput is not None else None,
+        round_costs=jax.device_get(calls.policy_params.costs) if goodput is not None else None,
         calls=tuple(
             DecodeCall(k, s, n) for k, (s, n) in zip(calls.programs_run, timed, strict=True)
         ),
@@ -192,17 +193,17 @@ def _policy_params(policy, config: DecodeConfig, goodput, placement):
     on the mesh."""
     depth = config.shape_only().depth
     costs = policies_lib.RoundCosts.unknown(depth) if goodput is None else goodput.round_costs
-    params = policies_lib.PolicyParams.from_policy(policy, costs)
+    policy_params = policies_lib.PolicyParams.from_policy(policy, costs)
     if goodput is not None and goodput.prior is not None:
         # What earlier decodes' drafting produced: the first round's skip decision weighs
         # it (docs/goodput.md, "What earlier decodes measured").
-        params = params.with_past(*goodput.prior)
+        policy_params = policy_params.with_past(*goodput.prior)
     if isinstance(config.tree, loop.tree_lib.Chain) and policy.k_max > config.max_draft:
-        params = params.replace(k_max=jnp.asarray(config.max_draft, jnp.int32))
-    return replicated(params, placement)
+        policy_params = policy_params.replace(k_max=jnp.asarray(config.max_draft, jnp.int32))
+    return replicated(policy_params, placement)
 
 
-def _without_drafter(target, prompts, config, goodput, params, **kw) -> DecodeOutput:
+def _without_drafter(target, prompts, config, goodput, policy_params, **kw) -> DecodeOutput:
     """A ``goodput`` decode that will not draft (:func:`~jaxcert.decoding.host.never_drafts`),
     run as :func:`target_decode`: every step is recorded as a round that drafted nothing
     and emitted one token, and the past is kept with nothing drafted (so its weight halves;
@@ -214,8 +215,8 @@ def _without_drafter(target, prompts, config, goodput, params, **kw) -> DecodeOu
     steps = np.asarray(out.rounds)  # [B] steps per row
     nodes = config.shape_only().num_nodes
     stats = host.plain_round_stats(steps, int(steps.max(initial=0)), nodes)
-    goodput.finish(0.0, np.zeros(params.costs.round_s.shape))
-    return dataclasses.replace(out, stats=stats, round_costs=jax.device_get(params.costs))
+    goodput.finish(0.0, np.zeros(policy_params.costs.round_s.shape))
+    return dataclasses.replace(out, stats=stats, round_costs=jax.device_get(policy_params.costs))
 
 
 def target_decode(

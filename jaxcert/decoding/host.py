@@ -109,7 +109,7 @@ class Compiled:
 
 
 def compile_speculative(
-    pair: Pair, batch: Batch, params, programs: Programs, on_compile=None
+    pair: Pair, batch: Batch, policy_params, programs: Programs, on_compile=None
 ) -> Compiled:
     """Compiles (or finds in ``programs``) the prefill, the round loop and, when
     ``goodput`` may skip, its plan and plain-step programs."""
@@ -117,34 +117,34 @@ def compile_speculative(
     t0, before = time.perf_counter(), programs.compiled
     t, d, drafter = pair.t_params, pair.d_params, pair.drafter
     kinds = {"t_graphdef": pair.t_graphdef, "drafter": drafter, "config": static}
-    pre_args = (t, d, batch.prompt, batch.lengths, params, batch.key, batch.settings)
+    pre_args = (t, d, batch.prompt, batch.lengths, policy_params, batch.key, batch.settings)
     pre = programs.compile(loop.prefill, pre_args, kinds | {"sizes": batch.sizes}, on_compile)
-    run = programs.compile(loop.run_rounds, (t, d, pre.out_info, params), kinds, on_compile)
+    run = programs.compile(loop.run_rounds, (t, d, pre.out_info, policy_params), kinds, on_compile)
     plan = steps = None
     handles: dict = {"rounds": (run,), "steps": ()}
     if loop.hands_off(static):  # goodput's plain steps run in the target-only program
         plan_program = programs.compile(
-            loop.skip_next, (params, pre.out_info, d), {"config": static, "drafter": drafter},
-            on_compile,
+            loop.skip_next, (policy_params, pre.out_info, d),
+            {"config": static, "drafter": drafter}, on_compile,
         )  # fmt: skip
         steps_kw = {
             "graphdef": pair.t_graphdef, "steps": static.skips,
             "sampling": static.verification.sampling, "drafter": drafter, "config": static,
         }  # fmt: skip
         steps_program = programs.compile(
-            loop.run_target_steps, (t, pre.out_info, d, params), steps_kw, on_compile
+            loop.run_target_steps, (t, pre.out_info, d, policy_params), steps_kw, on_compile
         )
 
-        def plan(params, state):
-            return plan_program(params, state, d)
+        def plan(policy_params, state):
+            return plan_program(policy_params, state, d)
 
-        def steps(params, state):
-            return steps_program(t, state, d, params)
+        def steps(policy_params, state):
+            return steps_program(t, state, d, policy_params)
 
         handles = {"rounds": (run, plan_program), "steps": (plan_program, steps_program)}
     return Compiled(
         prefill=lambda: pre(*pre_args),
-        rounds=lambda params, state: run(t, d, state, params),
+        rounds=lambda policy_params, state: run(t, d, state, policy_params),
         plan=plan,
         steps=steps,
         compile_s=time.perf_counter() - t0,
@@ -159,13 +159,13 @@ class SpeculativeCalls:
     :meth:`__call__`, the round loop or (``goodput``) plain target steps.
 
     Attributes:
-      params: the :class:`~jaxcert.decoding.policies.PolicyParams` (costs corrected as the
-        decode runs). chunks: per call, the ``[R, B, ...]`` host :class:`RoundStats`.
+      policy_params: the :class:`~jaxcert.decoding.policies.PolicyParams` (costs corrected
+        as the decode runs). chunks: per call, the ``[R, B, ...]`` host :class:`RoundStats`.
       programs_run: per call, ``"rounds"`` or ``"steps"``.
     """
 
-    def __init__(self, compiled: Compiled, params, static: DecodeConfig, goodput, placement):
-        self.compiled, self.params, self.static = compiled, params, static
+    def __init__(self, compiled: Compiled, policy_params, static: DecodeConfig, goodput, placement):
+        self.compiled, self.policy_params, self.static = compiled, policy_params, static
         self.goodput: GoodputRun | None = goodput
         self.placement = placement
         self.chunks: list = []
@@ -174,7 +174,7 @@ class SpeculativeCalls:
     def __call__(self, state):
         t0 = time.perf_counter()
         c = self.compiled
-        skip = c.plan is not None and bool(c.plan(self.params, state))
+        skip = c.plan is not None and bool(c.plan(self.policy_params, state))
         if self.goodput is not None and c.steps is not None:
             program = self.goodput.program(skip)
         else:
@@ -183,10 +183,10 @@ class SpeculativeCalls:
         if program == "steps":
             assert c.steps is not None
             state, ran = plain_steps(
-                c.steps, self.params, state, self.static, self.chunks, losing=skip
+                c.steps, self.policy_params, state, self.static, self.chunks, losing=skip
             )
         else:
-            state, stats = c.rounds(self.params, state)
+            state, stats = c.rounds(self.policy_params, state)
             self.chunks.append(jax.device_get(stats))
             active = self.chunks[-1].active
             depths = np.where(active, self.chunks[-1].depth, 0).max(axis=1)
@@ -194,8 +194,9 @@ class SpeculativeCalls:
         self.programs_run.append(program)
         if self.goodput is not None and c.steps is not None:
             costs = self.goodput.observe(program, time.perf_counter() - t0, ran, first=first)
-            if costs is not self.params.costs:
-                self.params = self.params.replace(costs=replicated(costs, self.placement))
+            if costs is not self.policy_params.costs:
+                placed = replicated(costs, self.placement)
+                self.policy_params = self.policy_params.replace(costs=placed)
         return state
 
     def stats(self, rows: int) -> RoundStats:
@@ -252,7 +253,7 @@ def drafted(state, rows: int, prior) -> tuple[float, np.ndarray]:
     )
 
 
-def plain_steps(steps, params, state, config: DecodeConfig, chunks: list, losing=True):
+def plain_steps(steps, policy_params, state, config: DecodeConfig, chunks: list, losing=True):
     """``goodput``'s skipped rounds: up to ``config.skips`` target-only steps (``steps``, a
     compiled :func:`~jaxcert.decoding.loop.run_target_steps`) on the speculative state. The
     drafter's cache and re-read start stay (it catches up in its next re-read); the skip
@@ -261,7 +262,7 @@ def plain_steps(steps, params, state, config: DecodeConfig, chunks: list, losing
     policy chose): the drafting round before it does not count as a losing measurement.
     Returns ``(state, steps run)``."""
     before = np.asarray(jax.device_get(state.rounds))  # read before `steps` donates it
-    state = steps(params, state)
+    state = steps(policy_params, state)
     ran_per_row = np.asarray(jax.device_get(state.rounds)) - before  # [B] steps per row
     assert state.policy is not None
     ran = int(ran_per_row.max(initial=0))
@@ -280,15 +281,17 @@ def plain_round_stats(steps: np.ndarray, rounds: int, nodes: int) -> RoundStats:
     return empty.replace(active=active, emitted=active.astype(np.int32))
 
 
-def never_drafts(params: policies_lib.PolicyParams, config: DecodeConfig, batch: int) -> bool:
+def never_drafts(
+    policy_params: policies_lib.PolicyParams, config: DecodeConfig, batch: int
+) -> bool:
     """Whether ``goodput`` will run every round of a ``batch``-row decode as a plain step:
     its first round skips on the prior from earlier decodes, and that skip, a losing
     measurement of ``batch`` row-rounds, reaches ``patience``, so it never measures again
     (``docs/goodput.md``, "What earlier decodes measured")."""
-    patience = int(jax.device_get(params.patience))
+    patience = int(jax.device_get(policy_params.patience))
     if config.skips == 0 or patience <= 0 or batch < patience or config.proposes_tokens:
         return False  # a proposing drafter is read before every round, whatever the past
-    state = policies_lib.init_policy_state(params, batch)
+    state = policies_lib.init_policy_state(policy_params, batch)
     active = jnp.ones((batch,), bool)  # every row, padding rows included, starts active
     need = jnp.ones((batch,), jnp.float32)  # equal budgets: only their ratios matter
-    return bool(policies_lib.should_skip(params, state, active, config.skips, need))
+    return bool(policies_lib.should_skip(policy_params, state, active, config.skips, need))
