@@ -1013,7 +1013,7 @@ def test_past_drafting_decays_caps_and_round_trips():
         {"emitted": 1.0, "rounds": "12"},
     ):
         broken = json.loads(json.dumps(costs.to_json() | {"drafting": {"greedy": bad}}))
-        with pytest.raises(ValueError, match="malformed pass costs|drafting (rounds|counts)"):
+        with pytest.raises(ValueError, match=r"drafting\['greedy'\]"):
             PassCosts.from_json(broken)
     assert costs_lib.sampling_mode(0.0) == "greedy" and costs_lib.sampling_mode(0.7) == "sampling"
 
