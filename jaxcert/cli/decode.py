@@ -221,6 +221,7 @@ class DecodeProgress:
 def run(args) -> int:
     import jaxcert
     from jaxcert import decoding
+    from jaxcert.base.folders import atomic_write
     from jaxcert.base.programs import default_programs
     from jaxcert.decoding import run_report
 
@@ -283,7 +284,7 @@ def run(args) -> int:
         "total_s": round(time.perf_counter() - started, 1),
     }
     summary = clamp_kls(summary)  # a KL is >= 0: no -0.0 from float rounding
-    (out / "summary.json").write_text(json.dumps(meta | summary, indent=2, default=str))
+    atomic_write(out / "summary.json", json.dumps(meta | summary, indent=2, default=str))
     print(run_report.markdown_summary(meta | summary))  # with the compile time
     print(
         f"[jaxcert] wrote {out}/rounds.parquet, nodes.parquet, outputs.jsonl, summary.json",
