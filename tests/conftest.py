@@ -34,6 +34,13 @@ _TIMEOUT = "--xla_cpu_collective_call_terminate_timeout_seconds=900"
 if _FLAGS and "collective_call_terminate_timeout" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _TIMEOUT).strip()
 
+# goodput's calibrations: a fresh folder per session too, so no test reads or rewrites the
+# user's (a stale file there changed what a test measured).
+if "JAXCERT_COSTS" not in os.environ:
+    _COSTS = tempfile.mkdtemp(prefix="jaxcert-costs-")
+    os.environ["JAXCERT_COSTS"] = _COSTS
+    atexit.register(shutil.rmtree, _COSTS, ignore_errors=True)
+
 # The CLI turns on JAX's persistent compilation cache: in tests, a fresh folder per session
 # (inherited by the subprocesses and pytest-xdist's workers) instead of the user's cache,
 # removed when the process that made it exits (a run leaves ~60 MB of programs there).

@@ -247,15 +247,16 @@ LARGEST = 1e6
 
 
 def _number(name: str, value, need: str = "> 0", largest: float = LARGEST) -> float:
-    """``value`` as a float that meets ``need`` (``"> 0"``, ``">= 0"`` or ``"any"``), of
-    magnitude at most ``largest`` (a positive one at least ``1e-9``)."""
+    """``value`` as a float that meets ``need`` (``"> 0"``: at least ``1e-9``, a second's
+    billionth, which float32 still holds; ``">= 0"``; ``"any"``) and of magnitude at most
+    ``largest``. Counts that halve with every decode may be any tiny positive number."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a number, got {value!r}")
     try:
         x = float(value)
     except OverflowError:
         x = float("inf")
-    ok = {"> 0": x >= 1e-9, ">= 0": x == 0 or x >= 1e-9, "any": True}[need]
+    ok = {"> 0": x >= 1e-9, ">= 0": x >= 0, "any": True}[need]
     if not (np.isfinite(x) and abs(x) <= largest and ok):
         what = "finite" if need == "any" else f"finite and {need}"
         shown = f"{value!r}" if len(repr(value)) < 40 else repr(value)[:37] + "..."
@@ -551,6 +552,9 @@ def cache_path(
     target, drafter, *, rows: int, config: DecodeConfig, context: int = 256, folder=None
 ) -> pathlib.Path:
     """Where :meth:`~jaxcert.decoding.goodput.GoodputController.calibrate` keeps the costs
-    of this machine, pair, rows and widths."""
-    root = pathlib.Path(folder) if folder is not None else cache_dir() / "costs"
+    of this machine, pair, rows and widths: under ``folder``, else ``$JAXCERT_COSTS``, else
+    ``costs/`` under :func:`jaxcert.base.paths.cache_dir`."""
+    if folder is None:
+        folder = os.environ.get("JAXCERT_COSTS") or cache_dir() / "costs"
+    root = pathlib.Path(folder)
     return root / f"{_key(target, drafter, rows, config, context)}.json"

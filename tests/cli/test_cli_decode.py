@@ -245,6 +245,7 @@ def test_decode_with_goodput_corrects_and_keeps_its_costs(files, monkeypatch, tm
     calibrate and pass fixed costs: after two runs the file still read ``round_overhead_s
     0.0, round_scale 1.0, drafting {}``.) A ``--costs`` file is read, never written."""
     monkeypatch.setenv("JAXCERT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("JAXCERT_COSTS", str(tmp_path / "cache" / "costs"))
 
     def cheap(target, drafter, *, rows, config, **kw):  # drafting pays: the runs draft
         widths = {1} | {b + 1 for b in config.verify_buckets()}

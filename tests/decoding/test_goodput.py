@@ -649,6 +649,18 @@ def test_calibrate_refuses_a_folder_where_its_file_goes_and_bad_rows(pair, tmp_p
         decoding.target_decode(pair[0], PROMPTS, max_new_tokens=2, prompt_width=65.0)
 
 
+def test_evidence_that_halves_for_many_decodes_reads_back():
+    """A depth no longer drafted halves with every decode: after 40 its row-rounds are about
+    1e-19, which a saved file must read back (it was refused as below 1e-9, and everything
+    learnt was measured anew)."""
+    past = costs_lib.PastDrafting(3.0, (0.0, 2.0, 1.0))
+    for _ in range(40):
+        past = past.then(1.0, [0.0, 1.0, 0.0], rows=3)
+    assert 0 < past.rounds[2] < 1e-9
+    costs = dataclasses.replace(MIXED, drafting={"greedy": past})
+    assert PassCosts.from_json(json.loads(json.dumps(costs.to_json()))) == costs
+
+
 def test_a_cost_table_file_names_what_is_wrong(tmp_path):
     path = tmp_path / "costs.json"
     for body, message in [
