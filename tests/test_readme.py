@@ -110,11 +110,13 @@ def test_quickstart_commands_install_and_run_what_the_repository_has():
 
 
 def test_readme_jaxcert_commands_parse():
-    """Every ``jaxcert ...`` command of the README's bash blocks is accepted by the parser."""
+    """Every ``jaxcert ...`` (or ``.venv/bin/jaxcert ...``) command of the README's bash
+    blocks is accepted by the parser."""
     from jaxcert.cli import build_parser
 
     parser = build_parser()
-    commands = [c for c in _bash_commands() if c.startswith("jaxcert ")]
+    commands = [c.removeprefix(".venv/bin/") for c in _bash_commands()]
+    commands = [c for c in commands if c.startswith("jaxcert ")]
     assert any(c.startswith("jaxcert decode ") for c in commands)
     for command in commands:
         parser.parse_args(command.split()[1:])
