@@ -72,10 +72,9 @@ def _read_prompt(graphdef, params, prompt, lengths, slots, taps=None):
     if taps is None:
         read = lambda window, _, cache: model.features(window, cache)[1]  # noqa: E731
         return read_chunks(prompt, lengths, chunk, read, cache).rollback(lengths - 1), None
-    # The first chunk outside the loop: it gives the states' width and dtype.
-    _, cache, first = target_features(model, prompt[:, :chunk], cache, taps)
+    # The states' width and dtype, traced without running (one copy of the pass: the loop's).
+    first = jax.eval_shape(lambda: target_features(model, prompt[:, :chunk], cache, taps)[2])
     states = jnp.zeros((b, w, first.shape[-1]), first.dtype)
-    states = lax.dynamic_update_slice_in_dim(states, first, 0, axis=1)
     count = -(-jnp.max(lengths) // chunk)
 
     def body(carry):
@@ -85,7 +84,7 @@ def _read_prompt(graphdef, params, prompt, lengths, slots, taps=None):
         states = lax.dynamic_update_slice_in_dim(states, got, i * chunk, axis=1)
         return i + 1, cache.commit(chunk), states
 
-    init = (jnp.asarray(1, jnp.int32), cache.commit(chunk), states)
+    init = (jnp.asarray(0, jnp.int32), cache, states)
     _, cache, states = lax.while_loop(lambda c: c[0] < count, body, init)
     return cache.rollback(lengths - 1), states
 
