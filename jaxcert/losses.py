@@ -36,6 +36,8 @@ __all__ = [
     "certificate_violation",
     "certificate_violation_softplus",
     "certificate_ratio",
+    "certificate_miss",
+    "rejection_rate",
     "cvar",
 ]
 
@@ -265,6 +267,89 @@ def certificate_violation_softplus(
         drafter_logits, target_logits, rule, margin, where, differentiate_target, top_k, axis_name
     )
     return _finish(temperature * jax.nn.softplus(excess / temperature), mask)
+
+
+def certificate_miss(
+    drafter_logits: jax.typing.ArrayLike,
+    target_logits: jax.typing.ArrayLike,
+    rule: rules_lib.Rule,
+    *,
+    temperature: float = 0.1,
+    margin: float = 0.0,
+    where: jax.typing.ArrayLike | None = None,
+    differentiate_target: bool = False,
+    top_k: int = DEFAULT_TOP_K,
+    axis_name: str | tuple[str, ...] | None = None,
+) -> jax.Array:
+    """Smoothed miss of the certificate: ``sigmoid((KL(p||q) - C_p + margin) / temperature)``.
+
+    The mean over positions is a smooth count of the positions the certificate does not
+    cover (the step ``KL >= C_p`` is the limit ``temperature -> 0``). Its gradient is
+    ``sigmoid' / temperature`` times KL's, so it is concentrated on positions within a few
+    ``temperature`` of the boundary ``KL = C_p``: those a small change of ``q`` certifies or
+    loses. KL's own gradient is blind to ``C_p`` and spends as much on positions far above
+    the certificate (which no small step certifies) as near it; a hinge
+    (:func:`certificate_violation`) is KL's gradient wherever it is active. Added to KL
+    (``docs/training.md``, "Fine-tuning a drafter at the boundary"), it asks for certified
+    positions rather than a lower mean.
+
+    Arguments as :func:`certificate_violation`; ``temperature`` in nats, ``> 0``.
+
+    Returns:
+      ``[...]`` values in ``[0, 1]``, float32 (float64 for float64 input); 0 where
+      rejection is impossible (``C_p = +inf``) and on masked positions (0 gradient there).
+
+    Raises:
+      ValueError: ``temperature <= 0``, or as :func:`certificate_violation`.
+    """
+    check_float("temperature", temperature, strict=True)
+    excess, _, c, mask = _excess(
+        drafter_logits, target_logits, rule, margin, where, differentiate_target, top_k, axis_name
+    )
+    possible = c != jnp.inf  # C_p = +inf: rejection impossible, whatever q
+    miss = jax.nn.sigmoid(jnp.where(possible, excess, 0.0) / temperature)
+    return _finish(jnp.where(possible, miss, 0.0), mask)
+
+
+def rejection_rate(
+    drafter_logits: jax.typing.ArrayLike,
+    target_logits: jax.typing.ArrayLike,
+    *,
+    where: jax.typing.ArrayLike | None = None,
+    axis_name: str | tuple[str, ...] | None = None,
+) -> jax.Array:
+    """The expected rejection of one drafted token at T = 1: ``TV(p, q) = 1 - sum_x min(p, q)``.
+
+    Speculative sampling accepts a token drawn from ``q`` with probability
+    ``sum_x min(p_x, q_x)`` (Leviathan et al. 2023, Theorem 3.5), so this is the acceptance
+    objective of drafter training (speculators' ``tv`` loss). Computed as
+    ``0.5 * sum_x |p_x - q_x|`` (accurate when it is small).
+
+    Args:
+      drafter_logits: ``[..., V]`` drafter logits (the trained side).
+      target_logits: ``[..., V]`` target logits (a constant: no gradient flows to it).
+      where: optional ``[...]`` bool mask (as :func:`kl_divergence`); masked positions give
+        exactly 0 and 0 gradient.
+      axis_name: mesh axis name(s) splitting the vocabulary inside ``shard_map``.
+
+    Returns:
+      ``[...]`` in ``[0, 1]``, float32 (float64 for float64 input); ``nan`` where a row is
+      no distribution (as :func:`kl_divergence`).
+
+    Raises:
+      ValueError: non-floating inputs, mismatched shapes, or a mask of another rank.
+    """
+    d, t = _check_pair(drafter_logits, target_logits)
+    dtype = numerics.compute_dtype(d.dtype, t.dtype)
+    mask, (d, t) = _masked(where, d.shape, d.astype(dtype), t.astype(dtype))
+    t = lax.stop_gradient(t)
+    p = jnp.exp(collectives.log_softmax(t, axis_name))
+    q = jnp.exp(collectives.log_softmax(d, axis_name))
+    tv = 0.5 * collectives.vocab_sum(jnp.abs(p - q), axis_name)
+    ok = jnp.isfinite(collectives.vocab_max(t, axis_name))
+    ok &= jnp.isfinite(collectives.vocab_max(lax.stop_gradient(d), axis_name))
+    tv = jnp.where(ok, tv, jnp.nan)
+    return tv if mask is None else jnp.where(mask, tv, 0.0)
 
 
 def certificate_ratio(

@@ -103,6 +103,8 @@ class StoreSpec:
       top_k: ``K``, target log-probabilities kept per position.
       rules: rule specs (`jaxcert.core.rules.parse_rule`) whose certificates are stored.
       batch_size: sequences per shard (and per target pass).
+      states: whether the target's states are stored (``False``: ``states`` is
+        ``[B, T, 0]``; a language-model drafter trains on the target's side only).
     """
 
     target: str
@@ -111,6 +113,7 @@ class StoreSpec:
     top_k: int = 64
     rules: tuple[str, ...] = ("greedy", "tree:4")
     batch_size: int = 4
+    states: bool = True
 
     def __post_init__(self) -> None:
         check_int("length", self.length, 2)
@@ -471,11 +474,13 @@ def _write_manifest(store: Store) -> None:
     atomic_write(_manifest_path(store.folder), json.dumps(record, indent=1))
 
 
-@jax.jit(static_argnames=("graphdef", "taps", "top_k", "rules"))
-def _records(graphdef, params, tokens, *, taps, top_k, rules):
+@jax.jit(static_argnames=("graphdef", "taps", "top_k", "rules", "keep_states"))
+def _records(graphdef, params, tokens, *, taps, top_k, rules, keep_states=True):
     model = nnx.merge(graphdef, params)
     cache = model.init_cache(tokens.shape[0], tokens.shape[1])
     hidden, _, states = target_features(model, tokens, cache, taps)
+    if not keep_states:
+        states = jnp.zeros((*tokens.shape, 0), jnp.float32)
     logits = model.project(hidden).astype(jnp.float32)  # [B, T, V]
     logp = jax.nn.log_softmax(logits, axis=-1)
     top_logp, top_ids = jax.lax.top_k(logp, top_k)
@@ -563,7 +568,13 @@ def write_store(
             tokens[r, : len(row)] = row
             length[r], start[r] = len(row), min(s.start, len(row))
         out = _records(
-            graphdef, params, jnp.asarray(tokens), taps=spec.taps, top_k=spec.top_k, rules=rules
+            graphdef,
+            params,
+            jnp.asarray(tokens),
+            taps=spec.taps,
+            top_k=spec.top_k,
+            rules=rules,
+            keep_states=spec.states,
         )
         arrays = dict(
             zip(("states", "top_logp", "top_ids", "entropy", "certificate"), out, strict=True)

@@ -267,3 +267,77 @@ def test_a_mask_of_another_rank_is_refused():
             fn(d, t, where=per_row)
         got = np.asarray(fn(d, t, where=per_row[:, None]))
         assert np.all(got[1] == 0) and np.all(got[0] != 0)
+
+
+@pytest.mark.parametrize("rule", [R.StrictGreedy(), R.TreeCoverage(4)], ids=["greedy", "tree:4"])
+def test_certificate_miss_matches_definition_and_gradients(rule, x64):
+    d, t = _pair(5, shape=(8, 11))
+    got = np.asarray(losses.certificate_miss(d, t, rule, temperature=0.2, margin=0.03))
+    p, q = np.asarray(jax.nn.softmax(t)), np.asarray(jax.nn.softmax(d))
+    for row in range(p.shape[0]):
+        kl = np.sum(p[row] * np.log(p[row] / q[row]))
+        c = reference.certificate_np(p[row], rule).value
+        want = 1.0 / (1.0 + np.exp(-(kl - c + 0.03) / 0.2))
+        np.testing.assert_allclose(got[row], want, rtol=1e-9, atol=1e-12)
+    assert 0.05 < got.min() and got.max() < 0.95 or got.std() > 0.01  # not saturated
+
+    def f(drafter):
+        return jnp.sum(losses.certificate_miss(drafter, t, rule, temperature=0.2))
+
+    check_grads(f, (d,), order=1, modes=["rev"], eps=1e-6, atol=1e-6, rtol=1e-6)
+
+
+def test_certificate_miss_gradient_is_concentrated_at_the_boundary(x64):
+    """Two positions with the same KL gradient direction: the one near ``KL = C_p`` gets
+    a larger push than one far above it, where the hinge gives both the same."""
+    t = jnp.log(jnp.array([[0.5, 0.3, 0.2], [0.5, 0.3, 0.2]]))
+    c = float(losses.certificate_value(t[:1], R.StrictGreedy())[0])
+    near = jnp.log(jnp.array([0.36, 0.4, 0.24]))  # just past the boundary
+    far = jnp.log(jnp.array([0.02, 0.96, 0.02]))
+    d = jnp.stack([near, far])
+    kl = np.asarray(losses.kl_divergence(d, t))
+    assert 0 < kl[0] - c < 0.2 and kl[1] - c > 1.5
+    g_miss = jax.grad(lambda z: losses.certificate_miss(z, t, R.StrictGreedy()).sum())(d)
+    g_kl = jax.grad(lambda z: losses.kl_divergence(z, t).sum())(d)
+    ratio = np.linalg.norm(g_miss, axis=-1) / np.linalg.norm(g_kl, axis=-1)
+    assert ratio[0] > 100 * ratio[1]
+
+
+def test_certificate_miss_edges():
+    t = jnp.array([[0.0, 0.0, -jnp.inf], [2.0, 0.0, 0.0]])  # row 0: a tie, C_p = 0
+    d = jnp.array([[0.0, 1.0, 0.0], [2.0, 0.0, -jnp.inf]])  # row 1: q = 0 where p > 0
+    miss = np.asarray(losses.certificate_miss(d, t, R.StrictGreedy()))
+    assert miss[1] == 1.0  # KL = +inf: a certain miss, not 0
+    assert 0.5 <= miss[0] <= 1.0
+    masked = losses.certificate_miss(d, t, R.StrictGreedy(), where=jnp.array([False, True]))
+    assert float(masked[0]) == 0.0
+    # additive:1 accepts every token: no drafter is rejected (C_p = +inf)
+    assert float(losses.certificate_value(t[1:], R.Additive(1.0))[0]) == np.inf
+    got = losses.certificate_miss(d[1:], t[1:], R.Additive(1.0))
+    assert float(got[0]) == 0.0
+    with pytest.raises(ValueError, match="temperature"):
+        losses.certificate_miss(d, t, R.StrictGreedy(), temperature=0.0)
+
+
+def test_rejection_rate_matches_definition_and_gradients(x64):
+    d, t = _pair(6, shape=(7, 10))
+    got = np.asarray(losses.rejection_rate(d, t))
+    p, q = np.asarray(jax.nn.softmax(t)), np.asarray(jax.nn.softmax(d))
+    np.testing.assert_allclose(got, 1.0 - np.minimum(p, q).sum(-1), rtol=1e-9, atol=1e-12)
+    assert np.all((got > 0) & (got < 1))
+    assert float(losses.rejection_rate(t, t).max()) < 1e-12
+    check_grads(
+        lambda z: jnp.sum(losses.rejection_rate(z, t)),
+        (d,),
+        order=1,
+        modes=["rev"],
+        eps=1e-6,
+        atol=1e-6,
+        rtol=1e-6,
+    )
+    g_t = jax.grad(lambda z: jnp.sum(losses.rejection_rate(d, z)))(t)
+    assert float(jnp.abs(g_t).max()) == 0.0  # the target is a constant
+    masked = losses.rejection_rate(d, t, where=jnp.arange(7) % 2 == 0)
+    assert np.all(np.asarray(masked)[1::2] == 0.0)
+    nan_row = t.at[0, 0].set(jnp.nan)
+    assert np.isnan(np.asarray(losses.rejection_rate(d, nan_row))[0])
