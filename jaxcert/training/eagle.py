@@ -279,7 +279,22 @@ def unrolled_window_terms(
     hidden = unrolled_features(head, batch["tokens"], batch["states"], depth)  # [D, b, T, E]
     ids = jnp.broadcast_to(batch["top_ids"], (depth, *batch["top_ids"].shape))
     log_q, top = _window_log_q(head, hidden, ids)  # [D, b, T, K], [D, b, T]
-    log_p = batch["top_logp"]
+    kl, tv = coarse_terms(batch["top_logp"], log_q)
+    return kl, tv, batch["certificate"], top
+
+
+def coarse_terms(log_p: jax.Array, log_q: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(KL(p'||q'), TV(p', q'))`` ``[...]`` of two distributions coarsened to a window of
+    ``K`` tokens plus one bucket for the rest (``p_rest = 1 - sum_K p``, likewise ``q``).
+
+    Args:
+      log_p: ``[..., K]`` the target's log-probabilities at the window (normalised over the
+        full vocabulary).
+      log_q: ``[..., K]`` the drafter's at the same ids.
+
+    Returns:
+      ``kl`` (nats, clipped at 0 against rounding) and ``tv``, both ``[...]``.
+    """
     p, q = jnp.exp(log_p), jnp.exp(log_q)
     p_rest = jnp.clip(1.0 - jnp.sum(p, axis=-1), 0.0, 1.0)
     q_rest = jnp.clip(1.0 - jnp.sum(q, axis=-1), 1e-30, 1.0)
@@ -288,7 +303,7 @@ def unrolled_window_terms(
     )
     kl = jnp.maximum(jnp.sum(p * (log_p - log_q), axis=-1) + rest, 0.0)
     tv = 1.0 - jnp.sum(jnp.minimum(p, q), axis=-1) - jnp.minimum(p_rest, q_rest)
-    return kl, tv, batch["certificate"], top
+    return kl, tv
 
 
 def window_terms(

@@ -1,0 +1,355 @@
+"""Fine-tuning a language-model drafter's top blocks on a target's records (tiny models):
+the window terms and objectives against `jaxcert.losses` and NumPy, the split forward, the
+drafter-states store, training, resuming and data parallelism."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.test_util import check_grads
+
+from jaxcert import losses
+from jaxcert.core import rules as R
+from jaxcert.training import finetune, head_data
+from tests.helpers import multidevice
+from tests.helpers.tiny_models import random_model, tiny_config
+
+V = 48
+L = 4
+RULES = ("greedy", "tree:4")
+
+
+@pytest.fixture(scope="module")
+def pair():
+    config = tiny_config(vocab_size=V, num_layers=L, max_position_embeddings=64)
+    return random_model(config, seed=0), random_model(config, seed=7)
+
+
+def _sequences(n=6, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        start = int(rng.integers(2, 6))
+        length = int(rng.integers(start + 5, 21))
+        out.append(head_data.TrainingSequence(str(i), tuple(rng.integers(0, V, length)), start))
+    return out
+
+
+@pytest.fixture(scope="module")
+def stores(pair, tmp_path_factory):
+    target, drafter = pair
+    root = tmp_path_factory.mktemp("ft")
+    spec = head_data.StoreSpec(
+        target="tiny", taps=(), length=20, top_k=V, batch_size=2, states=False
+    )
+    store = head_data.write_store(target, _sequences(), root / "store", spec)
+    states = finetune.write_drafter_states(drafter, store, root / "states", blocks=2, name="d")
+    return store, states
+
+
+# ----------------------------------------------------------------- terms and objectives
+
+
+def _np_terms(logits, target_logits):
+    logits, target_logits = np.asarray(logits, np.float64), np.asarray(target_logits, np.float64)
+    lq = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
+    lq -= logits.max(-1, keepdims=True)
+    lp = target_logits - target_logits.max(-1, keepdims=True)
+    lp -= np.log(np.exp(lp).sum(-1, keepdims=True))
+    p, q = np.exp(lp), np.exp(lq)
+    return (p * (lp - lq)).sum(-1), 0.5 * np.abs(p - q).sum(-1)
+
+
+def test_window_terms_over_the_whole_vocabulary_are_kl_and_tv():
+    rng = np.random.default_rng(1)
+    target = jnp.asarray(rng.normal(0, 2, (5, V)), jnp.float32)
+    logits = target + jnp.asarray(rng.normal(0, 1, (5, V)), jnp.float32)
+    log_p = jax.nn.log_softmax(target)
+    top_logp, top_ids = jax.lax.top_k(log_p, V)
+    kl, tv, top = finetune.window_terms(logits, top_ids, top_logp)
+    want_kl, want_tv = _np_terms(logits, target)
+    np.testing.assert_allclose(kl, want_kl, rtol=1e-5, atol=3e-5)  # float32 rest bucket
+    np.testing.assert_allclose(tv, want_tv, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(top, np.argmax(np.asarray(logits), -1))
+    # a narrower window is a lower bound on both
+    kl8, tv8, _ = finetune.window_terms(logits, top_ids[:, :8], top_logp[:, :8])
+    assert np.all(np.asarray(kl8) <= want_kl + 1e-5) and np.all(np.asarray(tv8) <= want_tv + 1e-6)
+    assert np.any(np.asarray(kl8) < want_kl - 1e-3)
+
+
+@pytest.mark.parametrize("name", list(finetune.OBJECTIVES))
+def test_objectives_are_the_losses_of_jaxcert_losses_over_the_whole_vocabulary(name):
+    """With the whole vocabulary as the window, each objective per position is KL plus the
+    `jaxcert.losses` term of the same name, and its gradient is exact (float64)."""
+    objective = finetune.OBJECTIVES[name]
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(2)
+        target = jnp.asarray(rng.normal(0, 2.5, (12, V)))
+        logits = target + jnp.asarray(rng.normal(0, 0.6, (12, V)))
+        top_logp, top_ids = jax.lax.top_k(jax.nn.log_softmax(target), V)
+        rule = None if objective.rule is None else R.parse_rule(objective.rule)
+        c = None if rule is None else losses.certificate_value(target, rule)
+
+        def ours(z):
+            kl, tv, _ = finetune.window_terms(z, top_ids, top_logp)
+            return objective.loss(kl, tv, c)
+
+        kl = losses.kl_divergence(logits, target)
+        extra = {
+            "kl": jnp.zeros_like(kl),
+            "kl+tv": losses.rejection_rate(logits, target),
+            "kl+greedy": losses.certificate_violation(logits, target, R.StrictGreedy()),
+            "kl+tree4": losses.certificate_violation(logits, target, R.TreeCoverage(4)),
+            "kl+miss": losses.certificate_miss(logits, target, R.StrictGreedy(), temperature=0.1),
+        }[name]
+        np.testing.assert_allclose(ours(logits), kl + extra, rtol=1e-9, atol=1e-10)
+        if rule is not None:  # the term must be neither always on nor always off here
+            certified = np.asarray(kl < c)
+            assert 0 < certified.sum() < len(certified)
+        check_grads(
+            lambda z: jnp.sum(ours(z)),
+            (logits,),
+            order=1,
+            modes=["rev"],
+            eps=1e-6,
+            atol=1e-6,
+            rtol=1e-5,
+        )
+
+
+def test_objective_active_fractions_and_refusals():
+    kl = jnp.array([0.1, 0.5, 0.95, 3.0])
+    c = jnp.array([0.3, 0.4, 1.0, jnp.inf])
+    hinge = finetune.OBJECTIVES["kl+greedy"]
+    miss = finetune.OBJECTIVES["kl+miss"]
+    np.testing.assert_array_equal(hinge.active(kl, c), [False, True, False, False])
+    np.testing.assert_array_equal(miss.active(kl, c), [True, True, True, False])
+    assert float(miss.term(kl, kl, c)[3]) == 0.0 and float(hinge.term(kl, kl, c)[3]) == 0.0
+    assert not finetune.OBJECTIVES["kl"].active(kl, c).any()
+    with pytest.raises(ValueError, match="kind must be"):
+        finetune.FinetuneObjective("x", "cvar")
+    with pytest.raises(ValueError, match="needs a rule"):
+        finetune.FinetuneObjective("x", "hinge")
+    with pytest.raises(ValueError, match="temperature"):
+        finetune.FinetuneObjective("x", "miss", "greedy", temperature=0.0)
+
+
+# ----------------------------------------------------------------- states and the split forward
+
+
+def test_stored_states_and_the_top_blocks_are_the_drafters_forward(pair, stores):
+    """Bottom states + the top blocks (+ final norm) = the drafter's own final states."""
+    _, drafter = pair
+    store, states = stores
+    records = store.load()
+    x = states.load()
+    assert x.shape == (*records.tokens.shape, drafter.config.hidden_size)
+    tokens = jnp.asarray(records.tokens)
+    full, _ = drafter.features(tokens, drafter.init_cache(*tokens.shape))
+    top = finetune._top_hidden(drafter, jnp.asarray(x), 2)
+    np.testing.assert_allclose(top, full, rtol=2e-5, atol=2e-5)
+
+
+def test_drafter_states_resume_and_refuse(pair, stores, tmp_path):
+    target, drafter = pair
+    store, states = stores
+    again = finetune.write_drafter_states(drafter, store, states.folder, blocks=2, name="d")
+    assert again.shards == states.shards  # nothing rewritten
+    with pytest.raises(ValueError, match="other options: blocks"):
+        finetune.write_drafter_states(drafter, store, states.folder, blocks=1, name="d")
+    with pytest.raises(ValueError, match=r"blocks must be in \[1, 4\)"):
+        finetune.write_drafter_states(drafter, store, tmp_path / "x", blocks=4, name="d")
+    # a store that grew: only the new shard is computed
+    bigger = head_data.write_store(target, _sequences(8), tmp_path / "s", store.spec)
+    first = finetune.write_drafter_states(
+        drafter,
+        head_data.Store(bigger.folder, bigger.spec, bigger.shards[:2]),
+        tmp_path / "st",
+        blocks=2,
+        name="d",
+    )
+    grown = finetune.write_drafter_states(drafter, bigger, tmp_path / "st", blocks=2, name="d")
+    assert len(first.shards) == 2 and len(grown.shards) == 4
+    np.testing.assert_array_equal(grown.load()[:4], first.load())
+
+
+# ----------------------------------------------------------------- training
+
+
+SETTINGS = finetune.FinetuneSettings(
+    trained_blocks=1, steps=6, batch_size=2, learning_rate=3e-3, every=3
+)
+
+
+def _train(pair, stores, name="kl+greedy", **kw):
+    _, drafter = pair
+    store, states = stores
+    kw.setdefault("settings", SETTINGS)
+    return finetune.finetune_drafter(
+        drafter,
+        store.load(),
+        states.load(),
+        finetune.OBJECTIVES[name],
+        rule_names=RULES,
+        first=2,
+        seed=0,
+        **kw,
+    )
+
+
+def test_training_lowers_the_loss_and_moves_only_the_top(pair, stores):
+    _, drafter = pair
+    settings = finetune.FinetuneSettings(
+        trained_blocks=1, steps=30, batch_size=6, learning_rate=3e-3, every=10
+    )
+    trainable, progress = _train(pair, stores, "kl", settings=settings)
+    history = progress["history"]
+    assert len(history) == 30 and history[-1]["step"] == 30
+    assert history[-1]["kl"] < 0.8 * history[0]["kl"]  # the same 6 sequences every step
+    assert {"certified:greedy", "certified:tree:4", "agreement", "active"} <= history[0].keys()
+    tuned = finetune.merged_drafter(drafter, trainable, trained_blocks=1)
+    before, after = nnx.state(drafter, nnx.Param), nnx.state(tuned, nnx.Param)
+    moved = {
+        jax.tree_util.keystr(p)
+        for (p, a), b in zip(
+            jax.tree_util.tree_flatten_with_path(before)[0], jax.tree.leaves(after), strict=True
+        )
+        if not np.array_equal(a, b)
+    }
+    assert moved and all("[3]" in m or m.startswith("['norm']") for m in moved), moved
+    assert any(m.startswith("['norm']") for m in moved)
+
+
+def test_an_interrupted_run_resumes_where_it_stopped(pair, stores, tmp_path):
+    straight, _ = _train(pair, stores, folder=tmp_path / "a")
+
+    class Stop(Exception):
+        pass
+
+    def stop_at_5(step, entry):
+        if step == 5:
+            raise Stop
+
+    with pytest.raises(Stop):
+        _train(pair, stores, folder=tmp_path / "b", log=stop_at_5)
+    saved = json.loads((tmp_path / "b" / "checkpoint" / "progress.json").read_text())
+    assert saved["step"] == 3
+    resumed, progress = _train(pair, stores, folder=tmp_path / "b")
+    assert [h["step"] for h in progress["history"]] == list(range(1, 7))
+    for a, b in zip(jax.tree.leaves(straight), jax.tree.leaves(resumed), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert (tmp_path / "b" / "done.json").is_file()
+
+
+def test_a_folder_of_another_run_is_refused(pair, stores, tmp_path):
+    store, states = stores
+    key = finetune.run_key(store, states, finetune.OBJECTIVES["kl"], 0, SETTINGS)
+    _train(
+        pair,
+        stores,
+        "kl",
+        folder=tmp_path,
+        key=key,
+        settings=finetune.FinetuneSettings(1, steps=1, batch_size=2),
+    )
+    other = dict(key, seed=1)
+    with pytest.raises(ValueError, match="other options: seed"):
+        _train(pair, stores, "kl", folder=tmp_path, key=other)
+
+
+def test_bad_settings_are_refused(pair, stores):
+    with pytest.raises(ValueError, match="3 trained blocks need them after at most 1 of"):
+        _train(pair, stores, settings=finetune.FinetuneSettings(trained_blocks=3, steps=1))
+    with pytest.raises(ValueError, match="not among the store's rules"):
+        _, drafter = pair
+        store, states = stores
+        finetune.finetune_drafter(
+            drafter,
+            store.load(),
+            states.load(),
+            finetune.OBJECTIVES["kl+tree4"],
+            rule_names=("greedy",),
+            first=2,
+            seed=0,
+            settings=SETTINGS,
+        )
+
+
+def test_evaluation_is_the_full_forward_at_the_trained_positions(pair, stores):
+    """Per-sequence figures against the drafter's full forward and the target's stored
+    window (the whole vocabulary here), in NumPy."""
+    _, drafter = pair
+    store, states = stores
+    records = store.load()
+    got = finetune.evaluate_drafter(
+        drafter,
+        None,
+        records,
+        states.load(),
+        rule_names=RULES,
+        first=2,
+        trained_blocks=1,
+        batch_size=4,
+    )
+    tokens = jnp.asarray(records.tokens)
+    logits, _ = drafter(tokens, drafter.init_cache(*tokens.shape))
+    logits = np.asarray(logits, np.float64)
+    mask = records.mask
+    for i in range(len(tokens)):
+        at = mask[i]
+        z = logits[i][at]
+        lq = z - z.max(-1, keepdims=True)
+        lq -= np.log(np.exp(lq).sum(-1, keepdims=True))
+        ids = records.top_ids[i][at]
+        lp = records.top_logp[i][at].astype(np.float64)
+        kl = (np.exp(lp) * (lp - np.take_along_axis(lq, ids, -1))).sum(-1)
+        x0 = ids[:, 0]
+        top4 = np.argsort(-z, -1)[:, :4]
+        np.testing.assert_allclose(got["kl"][i], kl.mean(), rtol=1e-4)
+        assert got["positions"][i] == at.sum()
+        np.testing.assert_allclose(got["agreement"][i], (z.argmax(-1) == x0).mean())
+        np.testing.assert_allclose(got["accepted:tree:4"][i], (top4 == x0[:, None]).any(-1).mean())
+        for j, r in enumerate(RULES):
+            want = (kl < records.certificate[i][at][:, j]).mean()
+            np.testing.assert_allclose(got[f"certified:{r}"][i], want)
+
+
+def test_data_parallel_training_equals_one_device(pair, stores, tmp_path):
+    store, states = stores
+    one, _ = _train(
+        pair,
+        stores,
+        settings=finetune.FinetuneSettings(
+            trained_blocks=1, steps=3, batch_size=4, learning_rate=3e-3
+        ),
+    )
+    np.savez(tmp_path / "one.npz", *[np.asarray(x) for x in jax.tree.leaves(one)])
+    out = multidevice.run(
+        f"""
+        import numpy as np
+        from jax.sharding import Mesh
+        from jaxcert.training import finetune, head_data
+        from tests.helpers.tiny_models import random_model, tiny_config
+        config = tiny_config(vocab_size={V}, num_layers={L}, max_position_embeddings=64)
+        drafter = random_model(config, seed=7)
+        store = head_data.read_store("{store.folder}")
+        states = finetune.read_drafter_states("{states.folder}")
+        mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+        settings = finetune.FinetuneSettings(trained_blocks=1, steps=3, batch_size=4,
+                                             learning_rate=3e-3)
+        got, _ = finetune.finetune_drafter(
+            drafter, store.load(), states.load(), finetune.OBJECTIVES["kl+greedy"],
+            rule_names=("greedy", "tree:4"), first=2, seed=0, settings=settings, mesh=mesh)
+        want = np.load("{tmp_path / "one.npz"}")
+        leaves = jax.tree.leaves(got)
+        diff = max(float(np.max(np.abs(np.asarray(a) - want[f"arr_{{i}}"])))
+                   for i, a in enumerate(leaves))
+        specs = sorted({{str(x.sharding.spec) for x in leaves}})
+        print(json.dumps({{"diff": diff, "specs": specs}}))
+        """,
+        devices=2,
+    )
+    assert out["diff"] < 1e-5, out
