@@ -1,9 +1,10 @@
 """The ``jaxcert`` command line: certify, certify-logits, decode, export-head, export-model,
-fetch and train-drafter.
+fetch, finetune-drafter and train-drafter.
 
 One module per command (:mod:`jaxcert.cli.certify`, :mod:`jaxcert.cli.certify_logits`,
 :mod:`jaxcert.cli.decode`, :mod:`jaxcert.cli.export` (both exports),
-:mod:`jaxcert.cli.fetch`, :mod:`jaxcert.cli.train_drafter`), each with ``add_parser(sub)``
+:mod:`jaxcert.cli.fetch`, :mod:`jaxcert.cli.finetune_drafter`,
+:mod:`jaxcert.cli.train_drafter`), each with ``add_parser(sub)``
 and ``run(args)``; this module builds the parser and reports the commands' errors.
 """
 
@@ -23,7 +24,15 @@ DEFAULT_RULES = "greedy,additive:0.3,multiplicative:0.1,typical,topk:2,tree:2,tr
 
 def build_parser() -> argparse.ArgumentParser:
     # The command modules read the defaults above: imported once this module is complete.
-    from jaxcert.cli import certify, certify_logits, decode, export, fetch, train_drafter
+    from jaxcert.cli import (
+        certify,
+        certify_logits,
+        decode,
+        export,
+        fetch,
+        finetune_drafter,
+        train_drafter,
+    )
 
     parser = argparse.ArgumentParser(
         prog="jaxcert",
@@ -31,7 +40,15 @@ def build_parser() -> argparse.ArgumentParser:
         "losses in JAX.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in (certify, certify_logits, decode, export, fetch, train_drafter):
+    for command in (
+        certify,
+        certify_logits,
+        decode,
+        export,
+        fetch,
+        finetune_drafter,
+        train_drafter,
+    ):
         command.add_parser(sub)
     return parser
 

@@ -194,6 +194,14 @@ class DrafterStates:
         return np.concatenate([load_file(self.folder / s["file"])["states"] for s in self.shards])
 
 
+def _holds(path: pathlib.Path, record: dict) -> bool:
+    """Whether ``path`` is a JSON file holding ``record`` (then it is not rewritten)."""
+    try:
+        return bool(json.loads(path.read_text()) == record)
+    except (OSError, ValueError):
+        return False
+
+
 def _states_manifest(folder: pathlib.Path) -> pathlib.Path:
     return folder / "manifest.json"
 
@@ -282,7 +290,8 @@ def write_drafter_states(
         record = {"version": STATES_VERSION, "drafter": name, "blocks": blocks, "shards": done}
         atomic_write(_states_manifest(folder), json.dumps(record, indent=1))
 
-    manifest()
+    if not _states_manifest(folder).is_file():
+        manifest()
     for i in range(len(done), len(store.shards)):
         shard = store.shards[i]
         tokens = load_file(store.folder / shard["file"])["tokens"]
@@ -713,8 +722,9 @@ def finetune_drafter(
                 progress["curve"].append({"step": i + 1, **evaluate(trainable)})
             if out is not None:
                 _save_checkpoint(out, trainable, opt_state, progress)
-    if out is not None:
-        atomic_write(out / "done.json", json.dumps({"step": progress["step"]}))
+    done = {"step": progress["step"]}
+    if out is not None and not _holds(out / "done.json", done):
+        atomic_write(out / "done.json", json.dumps(done))
     return trainable, progress
 
 

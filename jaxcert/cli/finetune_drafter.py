@@ -1,0 +1,307 @@
+"""``jaxcert finetune-drafter``: a drafter model's top blocks fine-tuned toward its target with
+KL and certificate objectives, compared per objective and seed on held-out conversations and
+in the decoder; the chosen run written as a Hugging Face folder.
+
+The steps are :mod:`jaxcert.training.finetune_recipe`'s; every phase resumes (rerun the same
+command after an interruption).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+
+from jaxcert.cli import DEFAULT_DECODE_TARGET, DEFAULT_DRAFTER
+from jaxcert.cli.argtypes import non_negative, positive, positive_float
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "finetune-drafter",
+        help="fine-tune a drafter model's top blocks toward the target with KL and "
+        "certificate objectives, and compare them",
+        description="Records the target's top-64 log-probabilities and exact certificates on "
+        "ShareGPT replies and the drafter's frozen-bottom states (both once, resumable), "
+        "trains the drafter's top N blocks and final norm with each objective and seed, and "
+        "compares the runs on held-out conversations (KL, certified and accepted fractions) "
+        "and in the speculative decoder on MT-Bench first turns (tokens per round at T = 0 "
+        "and T = 1, tokens/s at batch 1), with paired bootstrap intervals against the "
+        "untrained drafter and against kl. docs/training.md, 'Fine-tuning a drafter at the "
+        "boundary'.",
+    )
+    p.add_argument("--target", default=DEFAULT_DECODE_TARGET, help="(default %(default)s)")
+    p.add_argument("--drafter", default=DEFAULT_DRAFTER, help="(default %(default)s)")
+    p.add_argument(
+        "--prompts", default="sharegpt", help="a prompt set with replies (default %(default)s)"
+    )
+    p.add_argument("--max-prompts", type=positive, default=None, help="first N prompts")
+    p.add_argument(
+        "--positions",
+        type=positive,
+        default=200_000,
+        help="trained positions recorded from the target (default %(default)s)",
+    )
+    p.add_argument(
+        "--heldout-sequences",
+        type=positive,
+        default=48,
+        help="the prompt set's last N sequences, never trained on (default %(default)s)",
+    )
+    p.add_argument(
+        "--states-after",
+        type=positive,
+        default=None,
+        help="the drafter blocks below the stored states (default: all but the top 4)",
+    )
+    p.add_argument(
+        "--trained-blocks",
+        type=positive,
+        default=2,
+        help="N, the drafter's top blocks trained with its final norm (default %(default)s)",
+    )
+    p.add_argument(
+        "--train-steps",
+        type=positive,
+        default=None,
+        help="optimiser steps of every run (default: one pass over the training sequences)",
+    )
+    p.add_argument(
+        "--batch-size", type=positive, default=8, help="sequences a step (default %(default)s)"
+    )
+    p.add_argument(
+        "--learning-rate",
+        type=positive_float,
+        default=1e-4,
+        help="peak Adam rate, warm-up then cosine decay (default %(default)s)",
+    )
+    p.add_argument(
+        "--objectives",
+        default="kl,kl+greedy,kl+tree4,kl+tv,kl+miss",
+        help="comma-separated, of kl, kl+greedy, kl+tree4, kl+tv, kl+miss (default %(default)s)",
+    )
+    p.add_argument("--seeds", default="0,1", help="one run per seed (default %(default)s)")
+    p.add_argument(
+        "--sweep",
+        default=None,
+        metavar="N1,N2,..",
+        help="first a short sweep of --trained-blocks (kl, seed 0, --sweep-steps steps each; "
+        "held-out figures and seconds a step), then stop",
+    )
+    p.add_argument(
+        "--sweep-steps", type=positive, default=40, help="steps of each sweep run (default 40)"
+    )
+    p.add_argument(
+        "--decode-prompts",
+        type=non_negative,
+        default=8,
+        help="first turns of --decode-source (the first of each category in turn) decoded "
+        "with each "
+        "drafter; 0 skips the decoder (default %(default)s)",
+    )
+    p.add_argument(
+        "--decode-source",
+        default="mtbench",
+        help="prompt set of the decoded prompts (as --prompts; default %(default)s)",
+    )
+    p.add_argument(
+        "--decode-tokens", type=positive, default=64, help="new tokens (default %(default)s)"
+    )
+    p.add_argument(
+        "--speed-seeds",
+        type=non_negative,
+        default=1,
+        help="tokens/s at batch 1 of the runs of the first N seeds (and of the untrained "
+        "drafter and target-only); 0 skips it (default %(default)s)",
+    )
+    p.add_argument(
+        "--export",
+        type=pathlib.Path,
+        default=None,
+        help="write a fine-tuned drafter here as a Hugging Face folder (vLLM's draft_model, "
+        "jaxcert decode --drafter): the run of --export-run, by default the objective with "
+        "the highest held-out greedy-certified fraction, seed 0",
+    )
+    p.add_argument("--export-run", default=None, metavar="OBJECTIVE-seedS")
+    p.add_argument(
+        "--out",
+        type=pathlib.Path,
+        default=pathlib.Path("jaxcert-out/finetune"),
+        help="output folder (default %(default)s)",
+    )
+    p.set_defaults(func=run)
+
+
+def log(message: str) -> None:
+    print(f"[jaxcert] {message}", file=sys.stderr, flush=True)
+
+
+def _objectives(spec: str):
+    from jaxcert.training import finetune
+
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    unknown = [n for n in names if n not in finetune.OBJECTIVES]
+    if unknown or not names:
+        known = ", ".join(finetune.OBJECTIVES)
+        raise ValueError(f"--objectives: unknown {unknown or spec!r}; choose from {known}")
+    return [finetune.OBJECTIVES[n] for n in names]
+
+
+def _ints(option: str, spec: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(s) for s in spec.split(",") if s.strip())
+    except ValueError:
+        raise ValueError(f"{option}: comma-separated integers, got {spec!r}") from None
+    if not values:
+        raise ValueError(f"{option}: give at least one")
+    return values
+
+
+def run(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from jaxcert.cli._common import check_vocabularies, load_model, load_prompt_set
+    from jaxcert.training import finetune, finetune_recipe
+    from jaxcert.training.head_recipe import decode_prompt_ids
+
+    started = time.perf_counter()
+    objectives = _objectives(args.objectives)  # every option is checked before any loading
+    seeds = _ints("--seeds", args.seeds)
+    sweep = None if args.sweep is None else _ints("--sweep", args.sweep)
+    if args.export_run is not None and args.export is None:
+        raise ValueError("--export-run needs --export FOLDER")
+    check_vocabularies(args.target, args.drafter)
+    out: pathlib.Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    prompt_set = load_prompt_set(args.prompts, max_prompts=args.max_prompts)
+    log(f"loading the target {args.target} (float32)")
+    target = load_model("--target", args.target, dtype=jnp.float32)
+    log(f"loading the drafter {args.drafter} (float32)")
+    drafter = load_model("--drafter", args.drafter, dtype=jnp.float32)
+    layers = drafter.config.num_layers
+    states_after = args.states_after if args.states_after is not None else max(layers - 4, 1)
+    settings = finetune_recipe.RecipeSettings(
+        positions=args.positions, heldout=args.heldout_sequences, states_after=states_after
+    )
+    store, heldout = finetune_recipe.write_records(target, prompt_set, settings, out, log=log)
+    states, held_states = finetune_recipe.write_states(
+        drafter.model, args.drafter, store, heldout, settings, out, log=log
+    )
+    data = finetune_recipe.Data.load(store, heldout, states, held_states)
+    steps = args.train_steps or -(-store.sequences // args.batch_size)  # one pass
+    ft = finetune.FinetuneSettings(
+        trained_blocks=args.trained_blocks,
+        steps=steps,
+        batch_size=args.batch_size,
+        learning_rate=args.learning_rate,
+    )
+    settings = dataclasses.replace(settings, finetune=ft, seeds=seeds)
+    if sweep is not None:
+        rows = finetune_recipe.sweep_blocks(
+            drafter.model, data, sweep, settings, args.sweep_steps, out, log=log
+        )
+        from jaxcert.base.tables import markdown_table
+
+        table = markdown_table(rows)
+        (out / "sweep.md").write_text(table + "\n")
+        atomic = json.dumps({"command": " ".join(sys.argv), "rows": rows}, indent=1)
+        (out / "sweep.json").write_text(atomic + "\n")
+        print(table)
+        return 0
+    log(f"{len(objectives)} objectives x {len(seeds)} seeds, {steps} steps of "
+        f"{args.batch_size} sequences, top {args.trained_blocks} blocks")  # fmt: skip
+    runs = finetune_recipe.train_runs(drafter.model, data, objectives, settings, out, log=log)
+    untrained_folder = out / "untrained"
+    untrained_folder.mkdir(exist_ok=True)
+    untrained = finetune_recipe._heldout_cached(
+        drafter.model, None, data, ft.trained_blocks, untrained_folder / "heldout.json"
+    )
+    models = {"untrained": drafter.model}
+    folders = {"untrained": untrained_folder}
+    for r in runs:
+        name = pathlib.Path(r["folder"]).name
+        folders[name] = pathlib.Path(r["folder"])
+        models[name] = finetune.merged_drafter(
+            drafter.model, r["trainable"], trained_blocks=ft.trained_blocks
+        )
+    decoded: dict = {}
+    speed: dict = {}
+    if args.decode_prompts:
+        prompt_ids = decode_prompt_ids(target, args.decode_source, args.decode_prompts)
+        decoded = finetune_recipe.decode_runs(
+            target, models, prompt_ids, folders, tokens=args.decode_tokens, log=log
+        )
+        if args.speed_seeds:
+            timed = {
+                n: m
+                for n, m in models.items()
+                if n == "untrained" or int(n.rsplit("seed", 1)[1]) in seeds[: args.speed_seeds]
+            }
+            speed = finetune_recipe.speed_runs(
+                target, timed, prompt_ids, out / "speed.json", tokens=args.decode_tokens, log=log
+            )
+    summary = finetune_recipe.summarize(runs, untrained, decoded)
+    summary |= {
+        "command": " ".join(sys.argv),
+        "settings": dataclasses.asdict(settings),
+        "training_positions": store.positions,
+        "training_sequences": store.sequences,
+        "heldout_positions": heldout.positions,
+        "speed_batch1": speed,
+        "curves": {pathlib.Path(r["folder"]).name: r["curve"] for r in runs},
+        "active": {
+            pathlib.Path(r["folder"]).name: [
+                {"step": h["step"], "active": h["active"]} for h in r["history"]
+            ]
+            for r in runs
+        },
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    (out / "results.json").write_text(json.dumps(summary, indent=1, default=float) + "\n")
+    heldout_metrics = ["kl", "tv", "agreement", "accepted:tree:4", "certified:greedy",
+                       "certified:tree:4"]  # fmt: skip
+    decode_metrics = [c for c, _, _ in finetune_recipe.DECODE_CONFIGS]
+    tables = [
+        "Held-out (per conversation), Δ against kl:",
+        finetune_recipe.results_table(summary, heldout_metrics, "kl"),
+        "Held-out, Δ against the untrained drafter:",
+        finetune_recipe.results_table(summary, heldout_metrics, "untrained"),
+    ]
+    if decoded:
+        tables += [
+            "Tokens per round (per prompt), Δ against kl:",
+            finetune_recipe.results_table(summary, decode_metrics, "kl"),
+            "Tokens per round, Δ against the untrained drafter:",
+            finetune_recipe.results_table(summary, decode_metrics, "untrained"),
+        ]
+    text = "\n\n".join(tables)
+    (out / "results.md").write_text(text + "\n")
+    finetune_recipe.plot_curves(runs, out / "learning_curves.png")
+    print(text)
+    if args.export is not None:
+        _export(args, summary, drafter, models, out)
+    return 0
+
+
+def _export(args, summary, drafter, models, out) -> None:
+    import dataclasses
+
+    from jaxcert.models.export import save_hf
+
+    name = args.export_run
+    if name is None:
+        objectives = {k: v for k, v in summary["objectives"].items() if k != "untrained"}
+        best = max(objectives, key=lambda k: objectives[k]["certified:greedy"][0])
+        name = f"{best}-seed0"
+    if name not in models or name == "untrained":
+        choices = ", ".join(n for n in models if n != "untrained")
+        raise ValueError(f"--export-run: no run {name!r} here; choose from {choices}")
+    loaded = dataclasses.replace(drafter, model=models[name])
+    folder = save_hf(loaded, args.export, overwrite=False, keep=[out])
+    log(f"wrote {name} as a Hugging Face folder: {folder}")

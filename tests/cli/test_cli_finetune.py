@@ -1,0 +1,115 @@
+"""``jaxcert finetune-drafter`` end to end on tiny checkpoints: records, drafter states,
+runs, held-out and decoder figures, the learning curves, the export, and a rerun that
+resumes every phase without redoing it."""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxcert import cli, models
+from tests.helpers import tiny_lm
+
+WORDS = ["the cat", "an otter", "he is in", "a big one", "on the mat", "water"]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ftcli")
+    target = tiny_lm.save_tiny_checkpoint(root / "target", seed=0, layers=2)
+    drafter = tiny_lm.save_tiny_checkpoint(root / "drafter", seed=3, layers=3)
+    rng = np.random.default_rng(0)
+    conversations = []
+    for i in range(14):
+        ask = " ".join(rng.choice(WORDS, 2))
+        reply = " ".join(rng.choice(WORDS, int(rng.integers(3, 7))))
+        conversations.append({"id": f"c{i}", "conversations": [
+            {"from": "human", "value": ask}, {"from": "gpt", "value": reply}]})  # fmt: skip
+    sharegpt = root / "sharegpt.json"
+    sharegpt.write_text(json.dumps(conversations))
+    decode = root / "decode.jsonl"
+    decode.write_text('{"prompt": "the cat sat"}\n{"prompt": "an otter is in"}\n')
+    return root, target, drafter, sharegpt, decode
+
+
+def _argv(folders, out, *extra):
+    root, target, drafter, sharegpt, decode = folders
+    return ["finetune-drafter", "--target", str(target), "--drafter", str(drafter),
+            "--prompts", str(sharegpt), "--positions", "60", "--heldout-sequences", "3",
+            "--trained-blocks", "1", "--train-steps", "4", "--batch-size", "2",
+            "--learning-rate", "1e-2", "--objectives", "kl,kl+miss", "--seeds", "0,1",
+            "--decode-source", str(decode), "--decode-prompts", "2", "--decode-tokens", "6",
+            "--out", str(out), *extra]  # fmt: skip
+
+
+def test_finetune_drafter_end_to_end_and_resumed(folders, tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = _argv(folders, out, "--export", str(tmp_path / "hf"), "--export-run", "kl+miss-seed1")
+    assert cli.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "Held-out (per conversation), Δ against kl:" in text and "T0 cert:0.55" in text
+    results = json.loads((out / "results.json").read_text())
+    objectives = results["objectives"]
+    assert list(objectives) == ["untrained", "kl", "kl+miss"]
+    assert objectives["kl+miss"]["seeds"] == [0, 1]
+    for name in ("kl", "kl+miss"):
+        entry = objectives[name]
+        mean, low, high = entry["certified:greedy"]
+        assert 0.0 <= low <= mean <= high <= 1.0
+        assert "vs_kl:kl" in entry or name == "kl"
+        assert "vs_untrained:T0 cert:0.55" in entry
+        assert entry["T0 constant:5"][0] >= 1.0  # tokens per round: at least the target's
+    assert results["training_positions"] >= 60
+    curves = results["curves"]["kl-seed0"]
+    assert [p["step"] for p in curves] == [0, 4]
+    assert set(results["speed_batch1"]) == {"target-only", "untrained", "kl-seed0", "kl+miss-seed0"}
+    assert all(r["same_as_target"] == 2 for r in results["speed_batch1"].values())  # T = 0
+    assert (out / "learning_curves.png").stat().st_size > 1000
+    # the export is the run's drafter: its logits equal the merged model's
+    exported = models.load(tmp_path / "hf", dtype=jnp.float32)
+    tokens = jnp.array([[3, 5, 7, 9]])
+    logits, _ = exported.model(tokens, exported.model.init_cache(1, 4))
+    from jaxcert.training import finetune
+
+    trainable, _ = _checkpoint(out / "kl+miss-seed1", exported.model)
+    merged = finetune.merged_drafter(
+        models.load(folders[2], dtype=jnp.float32).model, trainable, trained_blocks=1
+    )
+    want, _ = merged(tokens, merged.init_cache(1, 4))
+    np.testing.assert_allclose(logits, want, rtol=1e-5, atol=1e-5)
+    base, _ = models.load(folders[2], dtype=jnp.float32).model(tokens, merged.init_cache(1, 4))
+    assert float(jnp.abs(base - want).max()) > 1e-4  # the export is not the untrained drafter
+
+    # a rerun reads every phase back: nothing is trained, decoded or timed again
+    stamps = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+    assert cli.main(_argv(folders, out)) == 0
+    for p, t in stamps.items():
+        if p.name not in ("results.json", "results.md", "learning_curves.png"):
+            assert p.stat().st_mtime_ns == t, p
+
+
+def _checkpoint(folder, model):
+    from safetensors.numpy import load_file
+
+    from jaxcert.training import finetune
+
+    _, trainable, _ = finetune._split(model, 1)
+    saved = load_file(folder / "checkpoint" / "params.safetensors")
+    import jax
+
+    leaves, treedef = jax.tree.flatten(trainable)
+    return jax.tree.unflatten(
+        treedef, [jnp.asarray(saved[f"{i:05d}"]) for i in range(len(leaves))]
+    ), None
+
+
+def test_finetune_drafter_refuses_bad_options_before_loading(folders, tmp_path, capsys):
+    out = tmp_path / "o"
+    assert cli.main(_argv(folders, out, "--objectives", "kl,cvar")) == 2
+    assert "--objectives: unknown ['cvar']" in capsys.readouterr().err
+    assert cli.main(_argv(folders, out, "--seeds", "0,x")) == 2
+    assert "--seeds: comma-separated integers" in capsys.readouterr().err
+    assert cli.main(_argv(folders, out, "--export-run", "kl-seed0")) == 2
+    assert "--export-run needs --export FOLDER" in capsys.readouterr().err
+    assert not out.exists()
