@@ -18,6 +18,13 @@ same. A row's numbers depend only on its own prompt and the run's shapes (slots,
 length), not on which prompts share the batch, so an interrupted run that resumes
 (``skip``) computes the same rows as an uninterrupted one.
 
+**A drafter beside the target.** With ``drafter`` (a language model of the target's
+vocabulary) every slot also holds the drafter's cache: it prefills the same prompt and, at
+each step, reads the target's greedy token (teacher-forced), in the same programs as the
+target. Each position then also records the drafter's ``KL(p‖q)``, ``TV`` and, per rule,
+whether it is certified and accepted (:mod:`jaxcert.pipeline.drafter`), computed on device
+from both logits; the target's columns are those of a run without a drafter.
+
 On a mesh (:mod:`jaxcert.models.mesh`) the slots are split over the ``data`` axis and the weights
 over ``model``; the one-row prefill is replicated over ``data``. With ``part`` a process
 certifies only its share of the prompts (with the shapes of the whole run, so the same
@@ -48,7 +55,9 @@ from jaxcert.base.tables import counted
 from jaxcert.base.validate import check_int, round_up
 from jaxcert.core import stats as stats_lib
 from jaxcert.core.solver import certificates
+from jaxcert.decoding.protocols import reads_target
 from jaxcert.models import mesh as mesh_lib
+from jaxcert.pipeline.drafter import DrafterTerms, drafter_columns, drafter_terms
 from jaxcert.pipeline.report import rule_column
 
 __all__ = [
@@ -56,6 +65,7 @@ __all__ = [
     "Certifier",
     "Progress",
     "certify_prompts",
+    "check_drafter",
     "merge_parts",
     "prefill_pieces",
     "rule_column",
@@ -167,32 +177,53 @@ def _install(cache, logits, step, active, row_cache, row_logits, slot):
     return cache, logits, jnp.where(hit, 0, step), active | hit
 
 
+@functools.partial(jax.jit, donate_argnames=("cache", "logits"))
+def _install_drafter(cache, logits, row_cache, row_logits, slot):
+    """:func:`_install` of the drafter's prefilled row (the target's step and active rule)."""
+    hit = jnp.arange(logits.shape[0]) == slot  # [B]
+    logits = jnp.where(hit[:, None], row_logits.astype(logits.dtype), logits)
+    return cache.put_rows(row_cache, slot), logits
+
+
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "rules", "length", "top", "eos", "steps"),
-    donate_argnames=("cache", "logits", "step", "active"),
+    static_argnames=("graphdef", "d_graphdef", "rules", "length", "top", "eos", "steps"),
+    donate_argnames=("cache", "logits", "step", "active", "drafter"),
 )
-def _decode_chunk(params, cache, logits, step, active, *, graphdef, rules, length, top, eos, steps):
+def _decode_chunk(
+    params, cache, logits, step, active, d_params, drafter,
+    *, graphdef, d_graphdef, rules, length, top, eos, steps,
+):  # fmt: skip
     """``length`` greedy steps of every slot; records statistics and certificates.
 
     A slot records while ``active``; it stops after ``steps`` recorded positions or (with
     ``eos``) after emitting an end-of-turn token. Inactive slots compute but commit nothing.
+    With a drafter (``drafter = (cache, logits)`` of the drafter ``d_graphdef``,
+    ``d_params``; ``None``: none) the drafter reads the same greedy tokens (teacher-forced)
+    and each step also records :func:`jaxcert.pipeline.drafter.drafter_terms` of its logits
+    against the target's.
     """
 
     def body(carry, _):
-        cache, logits, step, active = carry
+        cache, logits, step, active, drafter = carry
         st = stats_lib.distribution_stats(logits, top=top)
-        certs = certificates(logits, rules)
-        record = (st, tuple(c.value for c in certs), active, step)
+        values = tuple(c.value for c in certificates(logits, rules))
         token = st.greedy_token
+        terms = None
+        if drafter is not None:
+            d_cache, d_logits = drafter
+            terms = drafter_terms(d_logits, logits, rules, jnp.stack(values, axis=-1))
+            d_logits, d_cache = models.decode_step(d_graphdef, d_params, token, d_cache, active)
+            drafter = (d_cache, d_logits)
+        record = (st, values, active, step, terms)
         new_logits, cache = models.decode_step(graphdef, params, token, cache, active)
         step = step + active.astype(jnp.int32)
         active = active & (step < steps)
         if eos:
             active = active & ~jnp.isin(token, jnp.asarray(eos, jnp.int32))
-        return (cache, new_logits, step, active), record
+        return (cache, new_logits, step, active, drafter), record
 
-    carry, records = lax.scan(body, (cache, logits, step, active), None, length=length)
+    carry, records = lax.scan(body, (cache, logits, step, active, drafter), None, length=length)
     return (*carry, records)
 
 
@@ -256,6 +287,8 @@ class _Slots:
     row_cache: Any  # the one-row cache a prompt is prefilled into
     owner: list  # prompt index in each slot, or None
     records: list  # each slot's recorded chunks (column dicts)
+    drafter: Any = None  # the drafter's (cache, logits [B, V]), or None without a drafter
+    drafter_row_cache: Any = None  # the drafter's one-row cache
     done: int = 0  # prompts finished
     positions: int = 0  # positions recorded
 
@@ -275,6 +308,12 @@ class Certifier:
       prompts: the prompts; a prompt's ``prompt_index`` column is its index here.
       rules: the verification rules (``jaxcert.core.rules``).
       options: a :class:`CertifyOptions`.
+      drafter: a ``models.LoadedModel`` language model with the target's vocabulary, or
+        ``None``. It reads each prompt and the target's greedy continuation
+        (teacher-forced, in the same programs as the target), and every row also gets the
+        columns of :func:`jaxcert.pipeline.drafter.drafter_columns`: ``kl``, ``tv``,
+        ``drafter_token``, ``certified_<rule>`` and ``accepted_<rule>``. The target's
+        columns are those of a run without it.
       mesh: a ``("data", "model")`` mesh (:func:`jaxcert.models.mesh.make_mesh`): the slots are
         split over ``data`` (the batch size rounded up to a multiple of its size), the
         weights over ``model`` (``jaxcert.models.shard``; tensor parallelism). ``None``:
@@ -293,7 +332,9 @@ class Certifier:
 
     Raises:
       ValueError: no rules, no prompt long enough, prompts plus steps exceed the model's
-        context length, mesh axes other than data/model, or more parts than prompts.
+        (or the drafter's) context length, mesh axes other than data/model, more parts
+        than prompts, or a drafter of another vocabulary or that is no language model (a
+        draft head reading the target's states, prompt lookup).
     """
 
     def __init__(
@@ -303,6 +344,7 @@ class Certifier:
         rules: Sequence,
         options: CertifyOptions = CertifyOptions(),
         *,
+        drafter=None,
         mesh: jax.sharding.Mesh | None = None,
         part: tuple[int, int] | None = None,
         skip: Collection[int] = (),
@@ -312,7 +354,9 @@ class Certifier:
         self.rules = tuple(rules)
         if not self.rules:
             raise ValueError("no rules given")
-        self.lm, self.prompts, self.options = lm, prompts, options
+        if drafter is not None:
+            check_drafter(lm, drafter)
+        self.lm, self.drafter, self.prompts, self.options = lm, drafter, prompts, options
         self.mesh, self.progress = mesh, progress
         self.programs = Programs() if programs is None else programs
         self.encoded = encode_prompts(
@@ -324,7 +368,8 @@ class Certifier:
         longest = max(len(self.encoded[i]) for i in keep)
         data = 1 if mesh is None else mesh_lib.data_size(mesh)
         self.slots = round_up(min(round_up(options.batch_size, data), len(keep)), data)
-        models.check_context_length({"target": lm}, prompt_tokens=longest, new_tokens=options.steps)
+        checked = {"target": lm} if drafter is None else {"target": lm, "drafter": drafter}
+        models.check_context_length(checked, prompt_tokens=longest, new_tokens=options.steps)
         # Room for the padded last prefill piece and the slot's idle writes after its end.
         self.cache_length = round_up(longest, min(options.prefill_widths)) + options.steps + 1
         self.usable = frozenset(keep)
@@ -383,6 +428,10 @@ class Certifier:
         if not self.order:
             return
         self._graphdef, self._state = nnx.split(mesh_lib.shard_model(self.lm.model, self.mesh))
+        self._d_graphdef = self._d_state = None
+        if self.drafter is not None:
+            drafter = mesh_lib.shard_model(self.drafter.model, self.mesh)
+            self._d_graphdef, self._d_state = nnx.split(drafter)
         self._eos = tuple(self.lm.eos_ids) if self.options.stop_at_eos else ()
         slots = self._empty_slots()
         queue = collections.deque(self.order)
@@ -401,20 +450,27 @@ class Certifier:
     def _empty_slots(self) -> _Slots:
         lm, rows = self.lm, self.slots
 
-        def cache(rows):
+        def cache(model, rows):
             return models.KVCache.create(
-                lm.config, rows, self.cache_length, dtype=lm.model.dtype, mesh=self.mesh
+                model.config, rows, self.cache_length, dtype=model.model.dtype, mesh=self.mesh
             )
 
-        return _Slots(
-            cache=cache(rows),
-            logits=self._place(np.zeros((rows, lm.config.vocab_size), np.float32)),
+        def logits():
+            return self._place(np.zeros((rows, lm.config.vocab_size), np.float32))
+
+        slots = _Slots(
+            cache=cache(lm, rows),
+            logits=logits(),
             step=self._place(np.zeros(rows, np.int32)),
             active=self._place(np.zeros(rows, bool)),
-            row_cache=cache(1),
+            row_cache=cache(lm, 1),
             owner=[None] * rows,
             records=[[] for _ in range(rows)],
         )
+        if self.drafter is not None:
+            slots.drafter = (cache(self.drafter, rows), logits())
+            slots.drafter_row_cache = cache(self.drafter, 1)
+        return slots
 
     def _prefill(self, slots: _Slots, slot: int, index: int) -> None:
         """Prefills prompt ``index`` piece by piece into the one-row cache, then installs it
@@ -422,21 +478,34 @@ class Certifier:
         info = self.info
         ids = np.asarray(self.encoded[index], np.int32)
         slots.row_cache = slots.row_cache.rollback(self._replicated(np.zeros(1, np.int32)))
+        if slots.drafter is not None:  # its own lengths: each row cache is donated
+            zero = self._replicated(np.zeros(1, np.int32))
+            slots.drafter_row_cache = slots.drafter_row_cache.rollback(zero)
         start, t0 = 0, time.perf_counter()
         for width, count in prefill_pieces(len(ids), self.options.prefill_widths):
             piece = np.zeros((1, width), np.int32)
             piece[0, :count] = ids[start : start + count]
             start += count
-            args = (self._state, *self._replicated((piece, np.int32(count))), slots.row_cache)
+            tokens = self._replicated((piece, np.int32(count)))
+            args = (self._state, *tokens, slots.row_cache)
             program = self._program(_prefill_piece, args, {"graphdef": self._graphdef}, slots)
             row_logits, slots.row_cache = program(*args)
+            if slots.drafter is not None:  # the drafter reads the same prompt
+                args = (self._d_state, *tokens, slots.drafter_row_cache)
+                static = {"graphdef": self._d_graphdef}
+                program = self._program(_prefill_piece, args, static, slots)
+                d_row_logits, slots.drafter_row_cache = program(*args)
             info["prefill_tokens"] += count
             info["prefill_padded_tokens"] += width
+        at = self._replicated(np.int32(slot))
         args = (slots.cache, slots.logits, slots.step, slots.active, slots.row_cache, row_logits,
-                self._replicated(np.int32(slot)))  # fmt: skip
+                at)  # fmt: skip
         slots.cache, slots.logits, slots.step, slots.active = self._program(
             _install, args, {}, slots
         )(*args)
+        if slots.drafter is not None:
+            args = (*slots.drafter, slots.drafter_row_cache, d_row_logits, at)
+            slots.drafter = self._program(_install_drafter, args, {}, slots)(*args)
         jax.block_until_ready(slots.logits)
         info["prefill_s"] += time.perf_counter() - t0
         slots.owner[slot], slots.records[slot] = index, []
@@ -446,19 +515,21 @@ class Certifier:
         """One chunk of greedy steps of every slot: the recorded statistics and
         certificates, and which slots are still active (host arrays)."""
         options = self.options
-        static = {"graphdef": self._graphdef, "rules": self.rules, "length": options.chunk,
-                  "top": options.top, "eos": self._eos, "steps": options.steps}  # fmt: skip
+        static = {"graphdef": self._graphdef, "d_graphdef": self._d_graphdef,
+                  "rules": self.rules, "length": options.chunk, "top": options.top,
+                  "eos": self._eos, "steps": options.steps}  # fmt: skip
         t0 = time.perf_counter()
-        args = (self._state, slots.cache, slots.logits, slots.step, slots.active)
+        args = (self._state, slots.cache, slots.logits, slots.step, slots.active, self._d_state,
+                slots.drafter)  # fmt: skip
         program = self._program(_decode_chunk, args, static, slots)
-        slots.cache, slots.logits, slots.step, slots.active, out = program(*args)
+        slots.cache, slots.logits, slots.step, slots.active, slots.drafter, out = program(*args)
         out, still = jax.device_get((out, slots.active))
         self.info["decode_s"] += time.perf_counter() - t0
         return out, still
 
     def _record(self, slots: _Slots, out, still) -> list[int]:
         """Keeps each slot's recorded positions of a chunk; returns the slots that finished."""
-        st, values, was_active, at = out
+        st, values, was_active, at, terms = out
         self.info["decode_slot_steps"] += self.options.chunk * self.slots
         self.info["decode_active_steps"] += int(was_active.sum())
         for slot in range(self.slots):
@@ -466,7 +537,7 @@ class Certifier:
                 continue
             keep = was_active[:, slot]
             if keep.any():
-                columns = _columns(st, values, at, slot, keep, self.rules, self.options)
+                columns = _columns(st, values, terms, at, slot, keep, self.rules, self.options)
                 slots.records[slot].append(columns)
                 slots.positions += int(keep.sum())
         return [s for s in range(self.slots) if slots.owner[s] is not None and not still[s]]
@@ -495,8 +566,8 @@ class Certifier:
         return pa.table(out)
 
 
-def _columns(st, values, at, slot, keep, rules, options) -> dict:
-    """One slot's recorded positions of a chunk, as column arrays."""
+def _columns(st, values, terms: DrafterTerms | None, at, slot, keep, rules, options) -> dict:
+    """One slot's recorded positions of a chunk, as column arrays (the drafter's last)."""
     out = {
         "position": at[keep, slot].astype(np.int32),
         "token": st.greedy_token[keep, slot].astype(np.int32),
@@ -507,7 +578,35 @@ def _columns(st, values, at, slot, keep, rules, options) -> dict:
     }
     for rule, v in zip(rules, values, strict=True):
         out[rule_column(rule)] = v[keep, slot]
+    if terms is not None:
+        out |= drafter_columns(jax.tree.map(lambda a: a[keep, slot], terms), rules)
     return out
+
+
+def check_drafter(lm, drafter) -> None:
+    """Refuses a drafter that ``jaxcert certify`` cannot run beside the target ``lm``.
+
+    Args:
+      lm: the target, a ``models.LoadedModel``.
+      drafter: the drafter, a ``models.LoadedModel`` (or a module).
+
+    Raises:
+      ValueError: the drafter is a draft head (it reads the target's hidden states, which
+        certify does not tap) or proposes tokens without a distribution (prompt lookup),
+        or its vocabulary or tokenizer differs from the target's.
+    """
+    module = getattr(drafter, "model", drafter)
+    if reads_target(module):
+        raise ValueError(
+            "the drafter is a draft head, which reads the target's hidden states; certify "
+            "takes a language-model drafter (an asset name, a Hugging Face folder or a .gguf)"
+        )
+    if getattr(module, "proposes_tokens", False) or not isinstance(module, models.Transformer):
+        raise ValueError(
+            f"the drafter must be a language model (a jaxcert.models.Transformer), got "
+            f"{type(module).__name__}"
+        )
+    models.check_same_vocabulary(lm, drafter)
 
 
 def _text(value) -> str | None:
@@ -520,6 +619,7 @@ def certify_prompts(
     rules: Sequence,
     options: CertifyOptions = CertifyOptions(),
     *,
+    drafter=None,
     mesh: jax.sharding.Mesh | None = None,
     part: tuple[int, int] | None = None,
     progress: Callable[[Progress], None] | None = None,
@@ -532,13 +632,16 @@ def certify_prompts(
       ``(table, info)``: one row per recorded position, in prompt order then position order,
       with columns ``prompt_index``, ``prompt_id``, ``category``, ``prompt_tokens``,
       ``position``, ``token``, ``top1``, ``top{k}_coverage``, ``margin``, ``entropy`` and
-      one ``cert_<rule>`` column per rule (nats, ``inf`` where rejection is impossible);
-      ``info`` has counts, padding and timings (seconds).
+      one ``cert_<rule>`` column per rule (nats, ``inf`` where rejection is impossible),
+      with a ``drafter`` then ``kl``, ``tv``, ``drafter_token``, ``certified_<rule>`` and
+      ``accepted_<rule>``; ``info`` has counts, padding and timings (seconds).
 
     Raises:
       ValueError: as :class:`Certifier`.
     """
-    run = Certifier(lm, prompts, rules, options, mesh=mesh, part=part, progress=progress)
+    run = Certifier(
+        lm, prompts, rules, options, drafter=drafter, mesh=mesh, part=part, progress=progress
+    )
     tables = list(run)
     return merge_parts(tables), run.info
 

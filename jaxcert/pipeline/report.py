@@ -21,6 +21,12 @@ if TYPE_CHECKING:  # matplotlib is imported by the plotting functions only
 
 __all__ = [
     "rule_column",
+    "certified_column",
+    "accepted_column",
+    "drafter_summary",
+    "drafter_markdown",
+    "kl_figure",
+    "drafter_report",
     "summarize_positions",
     "run_lengths",
     "markdown_table",
@@ -39,6 +45,18 @@ def rule_column(rule) -> str:
     """Column name of a rule's certificate, e.g. ``cert_tree:4`` (also
     ``jaxcert.pipeline.engine.rule_column``)."""
     return f"cert_{rule.spec}"
+
+
+def certified_column(rule) -> str:
+    """Column name of whether a drafter is certified under a rule (``KL(p‖q) < C_p``), e.g.
+    ``certified_tree:4``."""
+    return f"certified_{rule.spec}"
+
+
+def accepted_column(rule) -> str:
+    """Column name of whether a rule's verifier accepts a drafter's proposal, e.g.
+    ``accepted_tree:4``."""
+    return f"accepted_{rule.spec}"
 
 
 def _percentile(values: np.ndarray, q: float) -> float | None:
@@ -267,6 +285,143 @@ def margin_figure(table: pa.Table, rule_columns: Sequence[str]) -> Figure:
     return fig
 
 
+def drafter_summary(table: pa.Table, rules: Sequence) -> dict:
+    """What a drafter's columns say over all positions (``jaxcert.pipeline.drafter``).
+
+    Args:
+      table: one row per position with ``kl``, ``tv`` and each rule's
+        ``certified_<rule>`` and ``accepted_<rule>`` columns.
+      rules: the rules.
+
+    Returns:
+      ``{"positions", "mean_kl", "median_kl", "kl_inf_share", "mean_tv", "rules"}``: KL in
+      nats over the positions where it is defined (``mean_kl`` over the finite values, with
+      ``kl_inf_share`` the share of ``+inf``, where ``q`` gives 0 to a token ``p`` does not;
+      ``None`` without values), and per rule ``{"rule", "certified", "accepted",
+      "certified_rejected"}``: the fractions of positions certified and accepted, and the
+      count of positions certified yet rejected (0 but for float32 rounding at
+      ``KL = C_p``).
+    """
+    kl = _values(table, "kl")
+    kl = kl[~np.isnan(kl)]
+    finite = kl[np.isfinite(kl)]
+    tv = _values(table, "tv")
+    tv = tv[~np.isnan(tv)]
+    rows = []
+    for rule in rules:
+        certified = np.asarray(table.column(certified_column(rule)).to_numpy(), bool)
+        accepted = np.asarray(table.column(accepted_column(rule)).to_numpy(), bool)
+        n = max(certified.size, 1)
+        rows.append(
+            {
+                "rule": rule.spec,
+                "certified": float(certified.sum() / n),
+                "accepted": float(accepted.sum() / n),
+                "certified_rejected": int(np.sum(certified & ~accepted)),
+            }
+        )
+    return {
+        "positions": table.num_rows,
+        "mean_kl": float(finite.mean()) if finite.size else None,
+        "median_kl": _percentile(kl, 50),
+        "kl_inf_share": float(np.mean(np.isinf(kl))) if kl.size else None,
+        "mean_tv": float(tv.mean()) if tv.size else None,
+        "rules": rows,
+    }
+
+
+def drafter_markdown(summary: dict, name: str | None = None) -> str:
+    """The drafter's section of ``summary.md`` from :func:`drafter_summary`."""
+
+    def number(v, digits=4):
+        return "n/a" if v is None else ("inf" if math.isinf(v) else f"{v:.{digits}f}")
+
+    title = "## Drafter" + (f" {name}" if name else "") + " against the target\n\n"
+    text = (
+        f"{title}Over {counted(summary['positions'], 'position')}: mean KL(p||q) "
+        f"{number(summary['mean_kl'])} nats (median {number(summary['median_kl'])}"
+        + (f", {summary['kl_inf_share']:.1%} infinite" if summary["kl_inf_share"] else "")
+        + f"), mean TV {number(summary['mean_tv'])}. Certified: KL(p||q) < C_p, so the rule "
+        "accepts the drafter's proposal whatever its ties; accepted: the rule's verifier "
+        "accepts the drafter's greedy token (for tree:m, one of its top m).\n\n"
+    )
+    table = [
+        {"rule": r["rule"], "certified": f"{r['certified']:.1%}",
+         "accepted": f"{r['accepted']:.1%}"}
+        for r in summary["rules"]
+    ]  # fmt: skip
+    text += markdown_table(table) + "\n"
+    rejected = [f"{r['rule']} {r['certified_rejected']}" for r in summary["rules"]
+                if r["certified_rejected"]]  # fmt: skip
+    if rejected:
+        text += f"\nCertified yet rejected (float32 rounding at KL = C_p): {', '.join(rejected)}\n"
+    return text
+
+
+def kl_figure(table: pa.Table, rules: Sequence) -> Figure:
+    """A drafter's ``KL(p‖q)`` against each rule's ``C_p``, one panel per rule
+    (``kl_vs_certificate.png``).
+
+    Log-log scatter with the line ``KL = C_p``: points below it are certified. A point is
+    green where the rule accepted the drafter's proposal, red where it rejected it (none is
+    red below the line). Values outside the panel's range (``KL = 0``, ``C_p = 0`` or
+    ``+inf``) are drawn on its edges; each panel's title gives the rule's certified and
+    accepted fractions.
+
+    Args:
+      table: one row per position with ``kl`` and each rule's ``cert_<rule>``,
+        ``certified_<rule>`` and ``accepted_<rule>`` columns.
+      rules: the rules, one panel each.
+
+    Returns:
+      A `matplotlib.figure.Figure` (no pyplot state) with one axes per rule, in order.
+    """
+    from matplotlib.figure import Figure
+
+    kl = _values(table, "kl")
+    certs = {r: _values(table, rule_column(r)) for r in rules}
+    pooled = np.concatenate([kl, *certs.values()])
+    positive = pooled[np.isfinite(pooled) & (pooled > 0)]
+    if positive.size:
+        low = _decade_below(float(np.quantile(positive, 0.005)))
+        high = float(10.0 ** math.ceil(math.log10(float(positive.max()))))
+    else:
+        low, high = 1e-6, 1.0
+    high = max(high, low * 10)
+    cols = min(4, max(len(rules), 1))
+    rows = math.ceil(len(rules) / cols)
+    fig = Figure(figsize=(3.4 * cols, 3.0 * rows + 0.6))
+    axes = fig.subplots(rows, cols, sharex=True, sharey=True, squeeze=False).ravel()
+    for ax in axes[len(rules) :]:
+        ax.remove()
+    y = np.clip(kl, low, high)  # nan (no distribution) stays nan: not drawn
+    for ax, rule in zip(axes[: len(rules)], rules, strict=True):
+        x = np.clip(certs[rule], low, high)
+        accepted = np.asarray(table.column(accepted_column(rule)).to_numpy(), bool)
+        certified = np.asarray(table.column(certified_column(rule)).to_numpy(), bool)
+        for mask, color, label in ((accepted, "tab:green", "accepted"),
+                                   (~accepted, "tab:red", "rejected")):  # fmt: skip
+            ax.scatter(x[mask], y[mask], s=3, alpha=0.4, color=color, label=label,
+                       clip_on=False)  # fmt: skip
+        ax.plot([low, high], [low, high], "k--", lw=1, label="KL = C_p")
+        ax.set_title(f"{rule.spec}: certified {certified.mean():.0%}, accepted "
+                     f"{accepted.mean():.0%}", fontsize=9)  # fmt: skip
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+    for i, ax in enumerate(axes[: len(rules)]):
+        if i + cols >= len(rules):  # nothing below it: its x tick labels show
+            ax.tick_params(labelbottom=True)
+    axes[0].set_xlim(low, high)
+    axes[0].set_ylim(low, high)
+    axes[0].legend(fontsize=7, markerscale=3)
+    fig.supxlabel("certificate C_p (nats; 0 and +inf on the edges)")
+    fig.supylabel("KL(p||q) (nats; 0 on the lower edge)")
+    fig.suptitle("Drafter KL against the certificate (below the line: certified)")
+    fig.tight_layout()
+    return fig
+
+
 def plot_report(table: pa.Table, rule_columns: Sequence[str], out_dir: pathlib.Path) -> list:
     """Writes ``certificate_cdf.png`` (:func:`cdf_figure`) and ``certificate_vs_margin.png``
     (:func:`margin_figure`) to ``out_dir``; returns their paths."""
@@ -289,8 +444,31 @@ def write_csv(path: pathlib.Path, rows: list[dict]) -> None:
         writer.writerows(rows)
 
 
+def drafter_report(
+    out: pathlib.Path, table: pa.Table, rules: Sequence, *, name: str | None, plots: bool
+) -> tuple[str, dict]:
+    """The drafter's part of a report in ``out``: ``drafter.csv`` (one row per rule of
+    :func:`drafter_summary`) and, with ``plots``, ``kl_vs_certificate.png``
+    (:func:`kl_figure`). Returns ``(markdown, summary)``
+    (:func:`drafter_markdown`, :func:`drafter_summary`)."""
+    out = pathlib.Path(out)
+    summary = drafter_summary(table, rules)
+    write_csv(out / "drafter.csv", summary["rules"])
+    if plots:
+        kl_figure(table, rules).savefig(out / "kl_vs_certificate.png", dpi=120)
+    return drafter_markdown(summary, name), summary
+
+
 def write_report(
-    out: pathlib.Path, info: dict, meta: dict, rules, options, *, started: float, plots: bool
+    out: pathlib.Path,
+    info: dict,
+    meta: dict,
+    rules,
+    options,
+    *,
+    started: float,
+    plots: bool,
+    drafter: str | None = None,
 ) -> str:
     """The report of a finished certify run in ``out``, from its dataset.
 
@@ -299,22 +477,29 @@ def write_report(
     ``certificate_vs_margin.png`` (:func:`plot_report`), and ``run.json``: ``meta``
     updated with ``info``, ``status``, ``total_s`` (since ``started``, a
     ``time.perf_counter()``), ``positions_this_run`` and ``positions`` (the whole dataset,
-    resumed prompts included).
+    resumed prompts included). A run with a ``drafter`` also gets ``kl`` and ``tv`` in
+    ``summary.csv``, a drafter section in ``summary.md``, ``drafter.csv`` and
+    ``kl_vs_certificate.png`` (:func:`drafter_report`), and its :func:`drafter_summary`
+    under ``"drafter_summary"`` in ``run.json``.
 
     Args:
       out: the run's folder (holding ``positions.parquet/``).
       info: the run's counts and timings (``Certifier.info``, merged over processes).
       meta: what run.json records besides (command line, target, options, ...).
       rules: the run's rules; options: its ``CertifyOptions``.
+      drafter: the drafter's name, when the run has one (its columns are read).
     """
     from jaxcert.pipeline.store import read_positions
 
     out = pathlib.Path(out)
     rule_cols = [rule_column(r) for r in rules]
     stat_cols = ["top1", f"top{options.top}_coverage", "margin", "entropy"]
+    drafter_cols = []
+    if drafter is not None:
+        drafter_cols = ["kl", "tv", *map(certified_column, rules), *map(accepted_column, rules)]
     # Only the numeric columns the summaries need (the rows stay on disk otherwise).
-    table = read_positions(out, [*stat_cols, *rule_cols])
-    summary = summarize_positions(table, stat_cols + rule_cols)
+    table = read_positions(out, [*stat_cols, *rule_cols, *drafter_cols])
+    summary = summarize_positions(table, stat_cols + rule_cols + drafter_cols[:2])
     runs = run_lengths(table, rule_cols)
     write_csv(out / "summary.csv", summary)
     write_csv(out / "run_lengths.csv", runs)
@@ -325,6 +510,11 @@ def write_report(
         f"## Mean certified run length (positions) at uniform KL budget eps\n\n"
         f"{markdown_table(runs, digits=2)}\n"
     )
+    if drafter is not None:
+        section, meta["drafter_summary"] = drafter_report(
+            out, table, rules, name=drafter, plots=plots
+        )
+        text += "\n" + section
     (out / "summary.md").write_text(text)
     if plots:
         plot_report(table, rule_cols, out)

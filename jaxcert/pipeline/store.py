@@ -45,6 +45,7 @@ __all__ = [
     "OutputExists",
     "ShardWriter",
     "check_output",
+    "drafter_fingerprint",
     "finish",
     "fingerprint_path",
     "read_positions",
@@ -65,6 +66,8 @@ REPORT_FILES = (
     "run.json",
     "certificate_cdf.png",
     "certificate_vs_margin.png",
+    "drafter.csv",
+    "kl_vs_certificate.png",
 )
 
 
@@ -131,6 +134,14 @@ def run_fingerprint(
         "turn": turn,
         **settings,
     }
+
+
+def drafter_fingerprint(drafter: str, model_path) -> dict:
+    """The fingerprint entries of a run's drafter, to pass to :func:`run_fingerprint`:
+    ``drafter`` by name (:func:`_spelling`) and ``drafter_sha256`` by content
+    (:func:`fingerprint_path`). A run without a drafter has neither, so a resumed run with
+    another drafter, or with one where there was none, is refused."""
+    return {"drafter": _spelling(drafter), "drafter_sha256": fingerprint_path(model_path)}
 
 
 def _jsonable(value):
