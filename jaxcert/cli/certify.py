@@ -15,6 +15,7 @@ from jaxcert.cli._common import (
     add_distributed_arguments,
     add_mesh_argument,
     add_prompt_arguments,
+    check_vocabularies,
     load_model,
     load_prompt_set,
     rules_arg,
@@ -73,7 +74,11 @@ def add_parser(sub) -> None:
             "shards) and manifest.json as it goes (the first shard once the first prompt is "
             "finished), then summary.md, summary.csv, "
             "run_lengths.csv, run.json and the plots certificate_cdf.png and "
-            "certificate_vs_margin.png (unless --no-plots) to --out.",
+            "certificate_vs_margin.png (unless --no-plots) to --out. With --drafter, a "
+            "language model reads the same tokens and every position also gets its KL(p||q) "
+            "(nats), TV, and per rule whether it is certified (KL < C_p) and whether the "
+            "rule accepts its proposal; the summary gives both fractions per rule, plus "
+            "drafter.csv and the plot kl_vs_certificate.png.",
             width=90,
         ),
         epilog=_SCALING,
@@ -84,6 +89,13 @@ def add_parser(sub) -> None:
         default=DEFAULT_TARGET,
         help="asset name, Hugging Face checkpoint folder or .gguf file "
         f"(default: {DEFAULT_TARGET})",
+    )
+    p.add_argument(
+        "--drafter",
+        default=None,
+        help="a language-model drafter to certify against the target, with its vocabulary: "
+        "an asset name, a Hugging Face checkpoint folder or a .gguf file (default: none). It "
+        "reads each prompt and the target's greedy continuation (teacher-forced)",
     )
     add_prompt_arguments(p)
     p.add_argument(
@@ -252,6 +264,8 @@ def _run(args, dist: distributed.Distributed, peers: distributed.Peers) -> int:
     rules, options = parse_rules(args.rules), _options(args)
     device_mesh = mesh_lib.make_mesh(args.mesh)
     mesh = device_mesh if device_mesh.size > 1 else None  # one device: no placement at all
+    if args.drafter is not None:
+        _check_drafter(args)  # from the configs: no weights read yet
     resume = _check_output(args, dist, tag)  # before loading anything
     started = time.perf_counter()
     prompt_set = load_prompt_set(args.prompts, turn=args.turn, max_prompts=args.max_prompts)
@@ -266,14 +280,15 @@ def _run(args, dist: distributed.Distributed, peers: distributed.Peers) -> int:
     if complete:  # its shards hold every prompt its manifest lists (the shards decide)
         return _already_complete(args.out, tag, dist, peers)
     compile_cache = jaxcert.enable_compilation_cache()
-    lm, load_s = _load(args, mesh, tag)
-    meta = _meta(args, lm, rules, options, load_s, device_mesh, compile_cache, dist)
-    _say_loaded(tag, lm, prompt_set, load_s, meta, device_mesh, dist)
+    lm, drafter, load_s = _load(args, mesh, tag)
+    meta = _meta(args, lm, drafter, rules, options, load_s, device_mesh, compile_cache, dist)
+    _say_loaded(tag, lm, drafter, prompt_set, load_s, meta, device_mesh, dist)
     display = _Display(f"certify{where}")
     part = (dist.process_index, dist.process_count) if multi else None
     run = engine.Certifier(
-        lm, prompt_set, rules, options, mesh=mesh, part=part, skip=done, progress=display
-    )
+        lm, prompt_set, rules, options, drafter=drafter, mesh=mesh, part=part, skip=done,
+        progress=display,
+    )  # fmt: skip
     if done:
         print(f"{tag} resuming: {counted(len(done), 'prompt')} already in {args.out}",
               file=sys.stderr)  # fmt: skip
@@ -291,8 +306,9 @@ def _run(args, dist: distributed.Distributed, peers: distributed.Peers) -> int:
         info = merged
     certify_store.finish(writer, run.usable, info)
     text = certify_report.write_report(
-        args.out, info, meta, rules, options, started=started, plots=not args.no_plots
-    )
+        args.out, info, meta, rules, options, started=started, plots=not args.no_plots,
+        drafter=None if drafter is None else drafter.path.name,
+    )  # fmt: skip
     _print_report(text, info, meta, args)
     peers.done()
     return 0
@@ -311,21 +327,56 @@ def _check_output(args, dist, tag) -> bool:
     return args.resume
 
 
+def _check_drafter(args) -> None:
+    """Refuses a ``--drafter`` that is no language model of the target's vocabulary, from
+    the configs alone (before anything is written or loaded)."""
+    from jaxcert.decoding.ngram import parse_ngram
+    from jaxcert.models import eagle, eagle3
+
+    try:
+        lookup = parse_ngram(str(args.drafter)) is not None
+    except ValueError:  # ngram with a bad spelling: prompt lookup all the same
+        lookup = True
+    if lookup:
+        raise ValueError(
+            f"--drafter {args.drafter}: prompt lookup proposes tokens without a distribution "
+            "(no KL to certify); give a language model"
+        )
+    if eagle.is_head_folder(args.drafter) or eagle3.engine_format(args.drafter) is not None:
+        raise ValueError(
+            f"--drafter {args.drafter} is a draft head, which reads the target's hidden "
+            "states; certify takes a language model (an asset name, a folder or a .gguf)"
+        )
+    check_vocabularies(args.target, args.drafter)
+
+
 def _load(args, mesh, tag):
-    """``(lm, load_s)``: the target and its load time."""
+    """``(lm, drafter, load_s)``: the target, the drafter (or ``None``) and their load time."""
     import jax.numpy as jnp
 
-    print(f"{tag} loading target {args.target} ...", file=sys.stderr, flush=True)
+    from jaxcert.pipeline import engine
+
+    both = "" if args.drafter is None else f" and drafter {args.drafter}"
+    print(f"{tag} loading target {args.target}{both} ...", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
     lm = load_model("--target", args.target, dtype=dtype, mesh=mesh)  # each weight onto its shards
-    return lm, time.perf_counter() - t0
+    drafter = None
+    if args.drafter is not None:
+        drafter = load_model("--drafter", args.drafter, dtype=dtype, mesh=mesh)
+        try:
+            engine.check_drafter(lm, drafter)  # the tokenizers too, now that they are loaded
+        except ValueError as err:
+            raise ValueError(f"--drafter: {err}") from None
+    return lm, drafter, time.perf_counter() - t0
 
 
-def _say_loaded(tag, lm, prompt_set, load_s, meta, device_mesh, dist) -> None:
+def _say_loaded(tag, lm, drafter, prompt_set, load_s, meta, device_mesh, dist) -> None:
     print(
         f"{tag} target {lm.path.name}: {counted(lm.config.num_layers, 'layer')}, "
-        f"V={lm.config.vocab_size}, loaded in {load_s:.1f} s; "
+        + ("" if drafter is None else
+           f"drafter {drafter.path.name}: {counted(drafter.config.num_layers, 'layer')}, ")
+        + f"V={lm.config.vocab_size}, loaded in {load_s:.1f} s; "
         f"{counted(len(prompt_set), 'prompt')}, "
         f"rules: {', '.join(meta['rules'])}; mesh {mesh_lib.describe(device_mesh)}"
         + (f"; process {dist.process_index} of {dist.process_count}"
@@ -342,22 +393,31 @@ def _fingerprint(args, prompt_set, rules, options, device_mesh) -> dict:
     from jaxcert import models
     from jaxcert.pipeline import store as certify_store
 
-    try:
-        path = models.model_path(args.target)
-    except ValueError as err:
-        raise ValueError(f"--target: {err}") from None
+    paths = {}
+    for option, name in (("--target", args.target), ("--drafter", args.drafter)):
+        if name is not None:
+            try:
+                paths[option] = models.model_path(name)
+            except ValueError as err:
+                raise ValueError(f"{option}: {err}") from None
+    # A run without a drafter keeps the fingerprint it always had (its runs still resume).
+    drafter = {} if args.drafter is None else certify_store.drafter_fingerprint(
+        args.drafter, paths["--drafter"]
+    )  # fmt: skip
     return certify_store.run_fingerprint(
-        target=args.target, model_path=path, dtype=args.dtype, prompts=args.prompts,
-        prompt_set=prompt_set, turn=args.turn, rules=[r.spec for r in rules],
-        options=vars(options) | {}, mesh=dict(device_mesh.shape), jaxcert=jaxcert.__version__,
+        target=args.target, model_path=paths["--target"], dtype=args.dtype,
+        prompts=args.prompts, prompt_set=prompt_set, turn=args.turn,
+        rules=[r.spec for r in rules], options=vars(options) | {},
+        mesh=dict(device_mesh.shape), jaxcert=jaxcert.__version__, **drafter,
     )  # fmt: skip
 
 
-def _meta(args, lm, rules, options, load_s, device_mesh, compile_cache, dist) -> dict:
+def _meta(args, lm, drafter, rules, options, load_s, device_mesh, compile_cache, dist) -> dict:
     """What run.json records besides the run's ``info``."""
     meta = {
         "command": " ".join(sys.argv),
         "target": str(lm.path),
+        "drafter": None if drafter is None else str(drafter.path),
         "prompts": args.prompts,
         "rules": [r.spec for r in rules],
         "options": vars(options) | {},
@@ -417,7 +477,9 @@ def _print_report(text: str, info: dict, meta: dict, args) -> None:
     print(
         f"[jaxcert] wrote {out}/positions.parquet/ (Parquet shards), manifest.json, "
         "summary.md/.csv, run_lengths.csv, run.json"
-        f"{'' if args.no_plots else ', certificate_cdf.png, certificate_vs_margin.png'} "
+        f"{'' if args.drafter is None else ', drafter.csv'}"
+        f"{'' if args.no_plots else ', certificate_cdf.png, certificate_vs_margin.png'}"
+        f"{'' if args.no_plots or args.drafter is None else ', kl_vs_certificate.png'} "
         f"in {meta['total_s']} s",
         file=sys.stderr,
     )

@@ -22,6 +22,12 @@ inputs:
                  (e.g. torch.stack(generate(..., output_logits=True).logits, 1) saved with
                  safetensors); every certificate is exact; streamed --chunk-rows at a time.
                  A row with NaN / +inf logits (or none finite) gets valid = false and nan.
+  drafter        --drafter-logits FILE: a dense dump of a drafter's logits at the same
+                 positions (same shape, same vocabulary), streamed beside INPUT; adds
+                 kl, tv, drafter_token, certified_<rule> and accepted_<rule> per position,
+                 the drafter's section of summary.md, drafter.csv and kl_vs_certificate.png.
+                 Records cannot be paired: a top-K window without token ids does not
+                 determine KL(p||q).
   records        .jsonl / .json, one response per line: OpenAI chat or completions
                  (vLLM, SGLang, TGI, llama.cpp server), the Responses API, TGI native
                  details.top_tokens, SGLang native meta_info.output_top_logprobs, llama.cpp
@@ -40,7 +46,9 @@ def add_parser(sub) -> None:
         help="certificates of dense logits or engines' top-K log-probabilities",
         description=textwrap.fill(
             "Certify every position of logits computed by another framework or serving "
-            "engine. Writes certificates.parquet, summary.md and run.json to --out.",
+            "engine. Writes certificates.parquet, summary.md and run.json to --out. With "
+            "--drafter-logits, a drafter's dense logits at the same positions are compared "
+            "with the target's: KL(p||q), TV, and per rule certified and accepted.",
             width=90,
         ),
         epilog=_EPILOG,
@@ -54,7 +62,17 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--rules", type=rules_arg, default=DEFAULT_RULES, help=f"rules (default: {DEFAULT_RULES})"
     )
-    p.add_argument("--tensor", default=None, help="tensor name in a .safetensors dump")
+    p.add_argument(
+        "--drafter-logits",
+        type=pathlib.Path,
+        default=None,
+        metavar="FILE",
+        help="a drafter's dense logits (.npy/.safetensors) at INPUT's positions, of its shape: "
+        "adds KL(p||q), TV, and per rule certified and accepted (INPUT must be dense too)",
+    )
+    p.add_argument(
+        "--tensor", default=None, help="tensor name in a .safetensors dump (and in the drafter's)"
+    )
     p.add_argument(
         "--vocab-size",
         type=positive,
@@ -86,32 +104,67 @@ def run(args) -> int:
 
     from jaxcert.core.rules import parse_rules
     from jaxcert.pipeline import logits as certify_logits
+    from jaxcert.pipeline import report
 
     rules = parse_rules(args.rules)
     out = args.out
     target = certify_logits.check_output(out, overwrite=args.overwrite)
     started = time.perf_counter()
-    dense = args.input.suffix in (".npy", ".safetensors")
+    dense = args.input.suffix in _DENSE
+    if args.drafter_logits is not None:
+        _check_drafter_logits(args, dense)  # before anything is certified or written
     notes, extra = _certify_dense(args, rules) if dense else _certify_records(args, rules)
+    table = pq.read_table(target)
     text = certify_logits.summary_markdown(
-        pq.read_table(target), rules, name=args.input.name, dense=dense, notes=notes,
+        table, rules, name=args.input.name, dense=dense, notes=notes,
         vocab_given=args.vocab_size is not None,
     )  # fmt: skip
+    written = "summary.md and run.json"
+    if args.drafter_logits is not None:
+        section, extra["drafter_summary"] = report.drafter_report(
+            out, table, rules, name=args.drafter_logits.name, plots=True
+        )
+        text += "\n" + section
+        extra["drafter_logits"] = str(args.drafter_logits)
+        written = "summary.md, run.json, drafter.csv and kl_vs_certificate.png"
+    else:  # an overwritten run's drafter files would describe another drafter
+        for name in ("drafter.csv", "kl_vs_certificate.png"):
+            (out / name).unlink(missing_ok=True)
     (out / "summary.md").write_text(text)
     meta = {
         "command": " ".join(sys.argv),
         "input": str(args.input),
         "kind": "dense" if dense else "top-logprobs",
         "rules": [r.spec for r in rules],
-        "positions": pq.read_metadata(target).num_rows,
+        "positions": table.num_rows,
         **extra,
         "total_s": round(time.perf_counter() - started, 2),
     }
     (out / "run.json").write_text(json.dumps(meta, indent=2))
     print(text)
-    print(f"[jaxcert] wrote {target}, summary.md and run.json in {meta['total_s']} s",
+    print(f"[jaxcert] wrote {target}, {written} in {meta['total_s']} s",
           file=sys.stderr)  # fmt: skip
     return 0
+
+
+_DENSE = (".npy", ".safetensors")
+
+
+def _check_drafter_logits(args, dense: bool) -> None:
+    """Refuses a ``--drafter-logits`` that cannot be paired with ``INPUT``, from the
+    headers alone."""
+    from jaxcert.pipeline import logits as certify_logits
+
+    if not dense or args.drafter_logits.suffix not in _DENSE:
+        raise ValueError(
+            "--drafter-logits pairs two dense dumps (.npy or .safetensors): top-K records "
+            "carry no full distribution, so they do not determine KL(p||q)"
+        )
+    try:
+        certify_logits.dense_shape(args.drafter_logits, tensor=args.tensor)
+    except ValueError as err:
+        raise ValueError(f"--drafter-logits: {err}") from None
+    certify_logits.check_drafter_dump(args.input, args.drafter_logits, tensor=args.tensor)
 
 
 def _kept(rows: int, path: pathlib.Path) -> None:
@@ -125,8 +178,8 @@ def _certify_dense(args, rules) -> tuple[list[str], dict]:
     from jaxcert.pipeline import logits as certify_logits
 
     tables = certify_logits.certify_dense_file(
-        args.input, rules, chunk_rows=args.chunk_rows, tensor=args.tensor,
-        vocab_size=args.vocab_size,
+        args.input, rules, drafter=args.drafter_logits, chunk_rows=args.chunk_rows,
+        tensor=args.tensor, vocab_size=args.vocab_size,
     )  # fmt: skip
     with tqdm(unit="pos", desc="certify-logits", file=sys.stderr, dynamic_ncols=True) as bar:
 

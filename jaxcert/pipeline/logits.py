@@ -52,6 +52,7 @@ from jaxcert.base.folders import atomic_file
 from jaxcert.core import rules as rules_lib
 from jaxcert.core import solver
 from jaxcert.core import stats as stats_lib
+from jaxcert.pipeline import drafter as drafter_lib
 from jaxcert.pipeline.records import LOGPROB_TOLERANCE, read_logprob_records
 from jaxcert.pipeline.report import rule_column
 
@@ -62,7 +63,9 @@ __all__ = [
     "certify_dense_file",
     "certify_records",
     "certify_top_logprobs",
+    "check_drafter_dump",
     "check_output",
+    "dense_shape",
     "determined_column",
     "entropy_bounds",
     "iter_dense_file",
@@ -91,23 +94,29 @@ def _dense_stats(x):
     return st.greedy_token, st.top1, st.top_coverage, st.margin, st.entropy
 
 
-def certify_dense(logits, rules: Sequence) -> dict[str, np.ndarray]:
+def certify_dense(logits, rules: Sequence, *, drafter_logits=None) -> dict[str, np.ndarray]:
     """Exact certificates and statistics of dense logits (one chunk).
 
     Args:
       logits: ``[N, V]`` float32/bfloat16/float16 logits (or log-probabilities) of the
         target ``p``; ``-inf`` is a zero-probability token.
       rules: the rules.
+      drafter_logits: ``[N, V]`` logits of a drafter ``q`` at the same positions, or ``None``.
 
     Returns:
       Columns ``valid`` (bool), ``token`` (``x0``), ``top1``, ``top10_coverage``,
       ``margin``, ``entropy`` (nats) and ``cert_<rule>`` (nats; ``inf`` where rejection is
       impossible), each ``[N]``. A row holding NaN or ``+inf``, or no finite logit, is no
       distribution: ``valid`` is ``False`` and its statistics and certificates are ``nan``
-      (``token`` ``-1``); the other rows are unaffected.
+      (``token`` ``-1``); the other rows are unaffected. With ``drafter_logits`` also
+      ``kl``, ``tv``, ``drafter_token``, ``certified_<rule>`` and ``accepted_<rule>``
+      (:func:`jaxcert.pipeline.drafter.drafter_columns`); where the target's or the
+      drafter's row is no distribution, ``kl`` and ``tv`` are ``nan``, ``drafter_token``
+      is ``-1`` and certified and accepted are ``False``.
 
     Raises:
-      ValueError: not ``[N, V]`` floating point with ``N >= 1``, ``V >= 2``.
+      ValueError: not ``[N, V]`` floating point with ``N >= 1``, ``V >= 2``; drafter
+        logits of another shape (another vocabulary) or dtype kind.
     """
     x = jnp.asarray(logits)
     if x.ndim != 2 or not jnp.issubdtype(x.dtype, jnp.floating):
@@ -115,6 +124,18 @@ def certify_dense(logits, rules: Sequence) -> dict[str, np.ndarray]:
     if x.shape[0] == 0 or x.shape[1] < 2:
         raise ValueError(f"dense logits need N >= 1 rows and V >= 2 tokens, got {x.shape}")
     certs = solver.certificates(x, tuple(rules))
+    drafted = None
+    if drafter_logits is not None:
+        d = jnp.asarray(drafter_logits)
+        if d.shape != x.shape or not jnp.issubdtype(d.dtype, jnp.floating):
+            raise ValueError(
+                f"drafter logits must be floating and of the target's shape {x.shape}, got "
+                f"{d.shape} {d.dtype}"
+            )
+        values = jnp.stack([c.value for c in certs], axis=-1)
+        drafted = drafter_lib.drafter_columns(
+            drafter_lib.drafter_terms(d, x, tuple(rules), values), rules
+        )
     token, top1, cover, margin, entropy = jax.device_get(_dense_stats(x))
     valid = np.asarray(certs[0].valid)
 
@@ -126,6 +147,11 @@ def certify_dense(logits, rules: Sequence) -> dict[str, np.ndarray]:
            "entropy": masked(entropy)}  # fmt: skip
     for rule, cert in zip(rules, certs, strict=True):
         out[rule_column(rule)] = masked(cert.value)
+    if drafted is not None:
+        both = valid & ~np.isnan(drafted["kl"])  # KL is nan where either row is invalid
+        for name, column in drafted.items():
+            empty = {np.dtype(bool): False, np.dtype(np.int32): -1}.get(column.dtype, np.nan)
+            out[name] = np.where(both, column, empty).astype(column.dtype)
     return out
 
 
@@ -174,6 +200,54 @@ def _open_dense(path: pathlib.Path, tensor: str | None):
     raise ValueError(f"{path}: dense logits must be a .npy or .safetensors file")
 
 
+def _checked_dense(path: pathlib.Path, tensor: str | None):
+    """:func:`_open_dense` of an existing file whose shape is ``[N, V]`` or ``[B, T, V]``."""
+    if not path.is_file():
+        raise ValueError(f"logits file not found: {path}")
+    array, shape = _open_dense(path, tensor)
+    if len(shape) not in (2, 3) or shape[-1] < 2:
+        raise ValueError(f"{path}: logits must be [N, V] or [B, T, V] with V >= 2, got {shape}")
+    if 0 in shape:
+        raise ValueError(f"{path}: no positions (shape {shape})")
+    return array, shape
+
+
+def dense_shape(path: str | os.PathLike, *, tensor: str | None = None) -> tuple[int, ...]:
+    """The shape of a dense dump, ``(N, V)`` or ``(B, T, V)``, read from its header.
+
+    Raises:
+      ValueError: a missing file, another suffix, an unreadable file, a missing tensor,
+        another rank or no positions (as :func:`iter_dense_file`).
+    """
+    return _checked_dense(pathlib.Path(path), tensor)[1]
+
+
+def check_drafter_dump(target, drafter, *, tensor: str | None = None) -> None:
+    """Refuses a drafter's dense dump that does not hold the target's positions over the
+    target's vocabulary (both read from their headers).
+
+    Args:
+      target, drafter: ``.npy`` / ``.safetensors`` dumps of the target's and the drafter's
+        logits (``tensor``: the tensor's name in each ``.safetensors`` file).
+
+    Raises:
+      ValueError: as :func:`dense_shape` for either file; the last axes differ (a
+        vocabulary mismatch), or the positions do.
+    """
+    t_shape = dense_shape(target, tensor=tensor)
+    d_shape = dense_shape(drafter, tensor=tensor)
+    if t_shape[-1] != d_shape[-1]:
+        raise ValueError(
+            f"vocabulary mismatch: the target's logits {target} have V = {t_shape[-1]}, the "
+            f"drafter's {drafter} V = {d_shape[-1]}; a drafter must share the vocabulary"
+        )
+    if t_shape != d_shape:
+        raise ValueError(
+            f"the drafter's logits {drafter} have shape {d_shape}, the target's {target} "
+            f"{t_shape}; they must hold the same positions"
+        )
+
+
 def iter_dense_file(
     path: str | os.PathLike,
     *,
@@ -199,13 +273,7 @@ def iter_dense_file(
         last axis other than ``vocab_size``, or a non-floating dtype.
     """
     path = pathlib.Path(path)
-    if not path.is_file():
-        raise ValueError(f"logits file not found: {path}")
-    array, shape = _open_dense(path, tensor)
-    if len(shape) not in (2, 3) or shape[-1] < 2:
-        raise ValueError(f"{path}: logits must be [N, V] or [B, T, V] with V >= 2, got {shape}")
-    if 0 in shape:
-        raise ValueError(f"{path}: no positions (shape {shape})")
+    array, shape = _checked_dense(path, tensor)
     if vocab_size is not None and shape[-1] != vocab_size:
         hint = (
             f"; its axis {shape.index(vocab_size)} has {vocab_size} entries: the dump looks "
@@ -424,12 +492,27 @@ def check_output(out: pathlib.Path, *, overwrite: bool) -> pathlib.Path:
     return target
 
 
-def certify_dense_file(path, rules: Sequence, **kwargs) -> Iterator[pa.Table]:
+def certify_dense_file(path, rules: Sequence, *, drafter=None, **kwargs) -> Iterator[pa.Table]:
     """Certified chunks of a dense dump, streamed: :func:`iter_dense_file` (``kwargs``:
     ``chunk_rows``, ``tensor``, ``vocab_size``) through :func:`certify_dense`, each chunk a
-    table of its index columns and the certificate columns."""
-    for index, logits in iter_dense_file(path, **kwargs):
-        yield pa.table({**index, **certify_dense(logits, rules)})
+    table of its index columns and the certificate columns.
+
+    With ``drafter``, a dump of a drafter's logits at the same positions (checked first
+    by :func:`check_drafter_dump`), streamed beside it: each chunk also has the drafter's
+    columns (:func:`certify_dense`'s ``drafter_logits``).
+
+    Raises:
+      ValueError: as :func:`iter_dense_file` and :func:`check_drafter_dump` (before the
+        first chunk is read).
+    """
+    if drafter is None:
+        for index, logits in iter_dense_file(path, **kwargs):
+            yield pa.table({**index, **certify_dense(logits, rules)})
+        return
+    check_drafter_dump(path, drafter, tensor=kwargs.get("tensor"))
+    chunks = zip(iter_dense_file(path, **kwargs), iter_dense_file(drafter, **kwargs), strict=True)
+    for (index, logits), (_, drafter_logits) in chunks:
+        yield pa.table({**index, **certify_dense(logits, rules, drafter_logits=drafter_logits)})
 
 
 def certify_records(
@@ -545,7 +628,8 @@ def summary_markdown(
 ) -> str:
     """``summary.md`` of a certify-logits run: the notes, for records the share of
     positions each rule's certificate is determined at (and what would determine the
-    rest), then :func:`jaxcert.pipeline.report.summarize_positions` of the certificates."""
+    rest), then :func:`jaxcert.pipeline.report.summarize_positions` of the certificates
+    (and of a drafter's ``kl`` and ``tv`` where the table has them)."""
     from jaxcert.pipeline import report
 
     text = f"## Positions: {table.num_rows} ({name})\n\n"
@@ -564,7 +648,8 @@ def summary_markdown(
         if hints:
             text += "Where a certificate is not determined:\n\n" + "\n".join(hints) + "\n\n"
         text += "Statistics over the determined positions:\n\n"
-    summary = report.summarize_positions(table, [rule_column(r) for r in rules])
+    drafted = ["kl", "tv"] if "kl" in table.column_names else []  # a drafter's too
+    summary = report.summarize_positions(table, [rule_column(r) for r in rules] + drafted)
     return text + report.markdown_table(summary, blank_none=True) + "\n"
 
 
