@@ -347,7 +347,10 @@ def _check_drafter(args) -> None:
             f"--drafter {args.drafter} is a draft head, which reads the target's hidden "
             "states; certify takes a language model (an asset name, a folder or a .gguf)"
         )
-    check_vocabularies(args.target, args.drafter)
+    try:
+        check_vocabularies(args.target, args.drafter)
+    except ValueError as err:  # a mismatch is the drafter's fault; the rest names its option
+        raise ValueError(str(err) if str(err).startswith("--") else f"--drafter: {err}") from None
 
 
 def _load(args, mesh, tag):

@@ -50,3 +50,20 @@ def save_tiny_checkpoint(
     safetensors.numpy.save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     tokenizer.save_pretrained(path)
     return path
+
+
+def save_noisy_copy(
+    source: pathlib.Path, path: pathlib.Path, *, scale: float = 0.08, seed: int = 5
+) -> pathlib.Path:
+    """A copy of the checkpoint ``source`` whose every weight has Gaussian noise of ``scale``
+    times that weight's standard deviation: a drafter of its vocabulary and tokenizer, close
+    enough to be certified at some positions and not at others."""
+    import shutil
+
+    shutil.copytree(source, path)
+    tensors = safetensors.numpy.load_file(source / "model.safetensors")
+    rng = np.random.default_rng(seed)
+    noisy = {k: (v + scale * rng.normal(size=v.shape) * v.std()).astype(v.dtype)
+             for k, v in tensors.items()}  # fmt: skip
+    safetensors.numpy.save_file(noisy, path / "model.safetensors", metadata={"format": "pt"})
+    return path
