@@ -118,6 +118,37 @@ def test_resume_refuses_another_drafter_or_none(files, drafted, capsys):
     assert "already complete" in capsys.readouterr().err  # the same drafter resumes
 
 
+@pytest.mark.slow
+def test_certify_with_a_drafter_on_a_2x2_mesh_matches_one_device(files, drafted, tmp_path):
+    """Slots over data, both models' weights over model (tensor parallel): the same tokens,
+    and the drafter's terms to float32 rounding of the other summation orders."""
+    from jaxcert.pipeline.store import read_positions
+    from tests.helpers.multidevice import run
+
+    out = tmp_path / "mesh"
+    args = ["certify", "--target", str(files["target"]), "--drafter", str(files["drafter"]),
+            "--prompts", str(files["prompts"]), "--rules", SPECS, "--steps", str(STEPS),
+            "--batch-size", "2", "--ignore-eos", "--no-plots", "--mesh", "data=2,model=2",
+            "--out", str(out)]  # fmt: skip
+    got = run(f"""
+        from jaxcert import cli
+        print(json.dumps({{"rc": cli.main({args!r})}}))
+        """, devices=4)  # fmt: skip
+    assert got == {"rc": 0}
+    mesh, one = read_positions(out), read_positions(drafted)
+    assert mesh.column_names == one.column_names
+    for name in ("token", "drafter_token"):
+        assert mesh[name].equals(one[name]), name
+    kl = one["kl"].to_numpy()
+    np.testing.assert_allclose(mesh["kl"].to_numpy(), kl, rtol=1e-3, atol=1e-6)
+    np.testing.assert_allclose(mesh["tv"].to_numpy(), one["tv"].to_numpy(), rtol=1e-3, atol=1e-6)
+    for rule in RULES:
+        assert mesh[report.accepted_column(rule)].equals(one[report.accepted_column(rule)])
+        apart = np.abs(kl - one[f"cert_{rule.spec}"].to_numpy()) > 1e-3 * (1 + kl)
+        name = report.certified_column(rule)
+        np.testing.assert_array_equal(mesh[name].to_numpy()[apart], one[name].to_numpy()[apart])
+
+
 def _bad_vocabulary(files):
     folder = files["root"] / "small"
     if not folder.exists():
