@@ -4,8 +4,8 @@ At a position with target distribution ``p`` and drafter distribution ``q`` (bot
 full vocabulary), and for each rule with certificate ``C_p`` (``docs/certificates.md`` §1):
 
 * ``kl = KL(p‖q)`` in nats (:func:`jaxcert.losses.kl_divergence`);
-* ``tv = 1 - Σ min(p, q) = ½ Σ |p - q|``, the total variation distance (the chance that
-  speculative sampling rejects one token);
+* ``tv = 1 - Σ min(p, q) = ½ Σ |p - q|``, the total variation distance, the chance that
+  speculative sampling rejects one drafted token (:func:`jaxcert.losses.rejection_rate`);
 * ``certified`` per rule: ``KL(p‖q) < C_p``, the guarantee that the rule accepts ``q``'s
   proposal, whatever ``q``'s ties;
 * ``accepted`` per rule: whether the rule's verifier accepts what the drafter actually
@@ -45,7 +45,7 @@ class DrafterTerms:
 
     Attributes:
       kl: ``[...]`` float32, ``KL(p‖q)`` in nats (``nan`` where a row is no distribution).
-      tv: ``[...]`` float32, ``1 - Σ min(p, q)`` in ``[0, 1]``.
+      tv: ``[...]`` float32, ``1 - Σ min(p, q)`` in ``[0, 1]`` (``nan`` as ``kl``).
       drafter_token: ``[...]`` int32, ``q``'s greedy token (the lowest id among ties).
       certified: ``[..., R]`` bool, ``KL(p‖q) < C_p`` per rule.
       accepted: ``[..., R]`` bool, whether each rule accepts the drafter's proposal.
@@ -94,6 +94,7 @@ def drafter_terms(
     if not rules:
         raise ValueError("no rules given")
     kl = losses.kl_divergence(drafter_logits=drafter_logits, target_logits=target_logits)
+    tv = losses.rejection_rate(drafter_logits=drafter_logits, target_logits=target_logits)
     d, t = jnp.asarray(drafter_logits), jnp.asarray(target_logits)
     dtype = numerics.compute_dtype(d.dtype, t.dtype)
     d, t = d.astype(dtype), t.astype(dtype)
@@ -105,10 +106,6 @@ def drafter_terms(
             f"certificates must be [..., R] = {(*t.shape[:-1], len(rules))}, got "
             f"{certificates.shape}"
         )
-    # ½ Σ |p - q| equals 1 - Σ min(p, q) for distributions, without the cancellation of
-    # 1 - (a sum near 1): exactly 0 for q = p.
-    p, q = jnp.exp(jax.nn.log_softmax(t, axis=-1)), jnp.exp(jax.nn.log_softmax(d, axis=-1))
-    tv = jnp.minimum(0.5 * jnp.sum(jnp.abs(p - q), axis=-1), 1.0)
     vocab = t.shape[-1]
     _, top = numerics.top_k(d, min(max(r.list_size for r in rules), vocab))  # [..., M]
     accepted = []
