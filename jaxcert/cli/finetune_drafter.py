@@ -219,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
     runs = finetune_recipe.train_runs(drafter.model, data, objectives, settings, out, log=log)
     untrained_folder = out / "untrained"
     untrained_folder.mkdir(exist_ok=True)
-    untrained = finetune_recipe._heldout_cached(
+    untrained = finetune_recipe.heldout_figures(
         drafter.model, None, data, ft.trained_blocks, untrained_folder / "heldout.json"
     )
     models = {"untrained": drafter.model}

@@ -52,6 +52,8 @@ __all__ = [
     "finetune_drafter",
     "merged_drafter",
     "read_drafter_states",
+    "run_key",
+    "trainable_filter",
     "window_terms",
     "write_drafter_states",
 ]

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Data",
     "RecipeSettings",
+    "heldout_figures",
     "decode_runs",
     "plot_curves",
     "results_table",
@@ -79,6 +80,8 @@ class RecipeSettings:
         run can train is ``L - s``).
       finetune: the optimisation of every run.
       seeds: one run per seed and objective.
+      curve_sequences: the first held-out sequences the learning curve is evaluated on
+        (every checkpoint; the final figures use them all).
     """
 
     positions: int = 200_000
@@ -89,6 +92,7 @@ class RecipeSettings:
     states_after: int = 20
     finetune: finetune.FinetuneSettings = finetune.FinetuneSettings()
     seeds: tuple[int, ...] = (0, 1)
+    curve_sequences: int = 16
 
 
 def _spec(target: LoadedModel, settings: RecipeSettings, top_k: int) -> head_data.StoreSpec:
@@ -230,16 +234,20 @@ class Data:
 
 
 def _curve_point(
-    drafter: Transformer, data: Data, trained_blocks: int
+    drafter: Transformer, data: Data, trained_blocks: int, sequences: int
 ) -> Callable[[nnx.State], dict[str, float]]:
-    """The learning curve's evaluation: held-out means over sequences."""
+    """The learning curve's evaluation: means over the first ``sequences`` held-out
+    sequences."""
+    n = min(sequences, data.held.tokens.shape[0])
+    fields = dataclasses.fields(data.held)
+    held = head_data.HeadRecords(**{f.name: getattr(data.held, f.name)[:n] for f in fields})
 
     def evaluate(trainable: nnx.State) -> dict[str, float]:
         per = finetune.evaluate_drafter(
             drafter,
             trainable,
-            data.held,
-            data.held_states,
+            held,
+            data.held_states[:n],
             rule_names=data.rule_names,
             first=data.first,
             trained_blocks=trained_blocks,
@@ -249,7 +257,7 @@ def _curve_point(
     return evaluate
 
 
-def _heldout_cached(
+def heldout_figures(
     drafter: Transformer, trainable, data: Data, trained_blocks: int, path: pathlib.Path
 ) -> dict[str, np.ndarray]:
     """Per held-out sequence (:func:`finetune.evaluate_drafter`), cached in ``path`` (keyed
@@ -303,7 +311,7 @@ def sweep_blocks(
             folder=folder,
             key=key,
         )
-        per = _heldout_cached(drafter, trainable, data, n, folder / "heldout.json")
+        per = heldout_figures(drafter, trainable, data, n, folder / "heldout.json")
         seconds = [h["seconds"] for h in progress["history"][1:]]
         row: dict[str, Any] = {"trained_blocks": n, "steps": steps}
         row |= {k: float(np.mean(v)) for k, v in per.items() if k != "positions"}
@@ -353,11 +361,11 @@ def train_runs(
                 seed=seed,
                 folder=folder,
                 key=key,
-                evaluate=_curve_point(drafter, data, ft.trained_blocks),
+                evaluate=_curve_point(drafter, data, ft.trained_blocks, settings.curve_sequences),
                 mesh=mesh,
                 log=step_log,
             )
-            per = _heldout_cached(
+            per = heldout_figures(
                 drafter, trainable, data, ft.trained_blocks, folder / "heldout.json"
             )
             log(

@@ -90,18 +90,19 @@ def test_finetune_drafter_end_to_end_and_resumed(folders, tmp_path, capsys):
 
 
 def _checkpoint(folder, model):
+    """The trained parameters a run's checkpoint holds (in the drafter's tree)."""
+    import jax
+    from flax import nnx
     from safetensors.numpy import load_file
 
     from jaxcert.training import finetune
 
-    _, trainable, _ = finetune._split(model, 1)
+    keep = finetune.trainable_filter(model.config.num_layers, 1)
+    _, trainable, _ = nnx.split(model, keep, ...)
     saved = load_file(folder / "checkpoint" / "params.safetensors")
-    import jax
-
     leaves, treedef = jax.tree.flatten(trainable)
-    return jax.tree.unflatten(
-        treedef, [jnp.asarray(saved[f"{i:05d}"]) for i in range(len(leaves))]
-    ), None
+    restored = [jnp.asarray(saved[f"{i:05d}"]) for i in range(len(leaves))]
+    return jax.tree.unflatten(treedef, restored), None
 
 
 def test_finetune_drafter_refuses_bad_options_before_loading(folders, tmp_path, capsys):
