@@ -69,7 +69,9 @@ def _args(argv=None) -> argparse.Namespace:
         if name == "jaxcert":
             s.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
             s.add_argument("--drafter", default="qwen2.5-coder-0.5b-instruct")
-            s.add_argument("--head", required=True, help="the head (any layout jaxcert reads)")
+            s.add_argument(
+                "--head", default=None, help="the head (any layout jaxcert reads; eagle3 configs)"
+            )
         if name == "vllm":
             s.add_argument("--target-hf", type=pathlib.Path, default=HF / "target")
             s.add_argument("--drafter-hf", type=pathlib.Path, default=HF / "drafter")
@@ -173,6 +175,10 @@ def step_jaxcert(args) -> None:
     if not todo:
         print("jaxcert: every configuration is done")
         return
+    if args.head is None and any(kind == "eagle3" for _, kind, _ in todo):
+        sys.exit(
+            "peer_vllm: the eagle3 configurations need --head (or leave them out of --configs)"
+        )
     target = models.load(args.target)
     eos = target.eos_ids
     width = max(len(p) for p in prompt_ids)  # one compilation for every prompt
