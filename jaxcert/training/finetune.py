@@ -733,6 +733,21 @@ def finetune_drafter(
 # --------------------------------------------------------------------------- evaluation
 
 
+@jax.jit(static_argnames=("graphdef", "first"))
+def _eval_terms(graphdef, params, frozen, batch, *, first):
+    """``(kl, tv, argmax, x0 among the drafter's top 4)`` at the gathered positions."""
+    from jaxcert.core import numerics
+
+    model = nnx.merge(graphdef, params, frozen)
+    index, states = batch["index"], batch["states"]
+    hidden = _top_hidden(model, states.reshape(-1, *states.shape[2:]), first)
+    hidden = hidden.reshape(index.shape[0], -1, hidden.shape[-1])
+    logits = model.project(jnp.take_along_axis(hidden, index[..., None], axis=1))
+    kl, tv, _ = window_terms(logits.astype(jnp.float32), batch["top_ids"], batch["top_logp"])
+    _, top4 = numerics.top_k(logits, 4)  # ties to the lower id, as argmax
+    return kl, tv, top4[..., 0], jnp.any(top4 == batch["top_ids"][..., :1], axis=-1)
+
+
 def evaluate_drafter(
     drafter: Transformer,
     trainable: nnx.State | None,
@@ -771,20 +786,6 @@ def evaluate_drafter(
     rows = [np.arange(i, min(i + batch_size, n)) for i in range(0, n, batch_size)]
     width = _gather_width(mask, rows, 1)
 
-    @jax.jit
-    def terms(params, batch):
-        model = nnx.merge(graphdef, params, frozen)
-        d, w = batch["index"].shape
-        hidden = _top_hidden(model, batch["states"].reshape(-1, t, hidden_size), first)
-        picked = jnp.take_along_axis(
-            hidden.reshape(d, -1, hidden_size), batch["index"][..., None], axis=1
-        )
-        logits = model.project(picked).astype(jnp.float32)
-        kl, tv, top = window_terms(logits, batch["top_ids"], batch["top_logp"])
-        _, top4 = jax.lax.top_k(logits, 4)
-        return kl, tv, top, jnp.any(top4 == batch["top_ids"][..., :1], axis=-1)
-
-    hidden_size = drafter.config.hidden_size
     names = ["kl", "tv", "agreement", "accepted:tree:4", *(f"certified:{r}" for r in rule_names)]
     sums = {k: np.zeros(n) for k in names}
     counts = np.zeros(n)
@@ -797,8 +798,9 @@ def evaluate_drafter(
             "top_ids": _pick(records.top_ids, pad, index, 1),
             "top_logp": _pick(records.top_logp, pad, index, 1),
         }
+        arrays = jax.tree.map(jnp.asarray, batch)
         kl, tv, top, in4 = (
-            np.asarray(x)[0] for x in terms(params, jax.tree.map(jnp.asarray, batch))
+            np.asarray(x)[0] for x in _eval_terms(graphdef, params, frozen, arrays, first=first)
         )
         cert = _pick(records.certificate, pad, index, 1)[0]
         row_of = index[0] // t  # which of the batch's rows each gathered position is
