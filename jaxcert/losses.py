@@ -23,6 +23,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxcert.base.validate import check_float, check_mask_shape, check_probability
@@ -186,6 +187,23 @@ def _excess(
     return excess, kl, c, mask
 
 
+def _positive(name: str, value):
+    """``value`` if it is a finite number ``> 0`` (Python, NumPy or a concrete JAX scalar);
+    a traced value (an annealed temperature under ``jit``) is the caller's to keep positive.
+
+    Raises:
+      ValueError: naming ``name``, otherwise.
+    """
+    if isinstance(value, jax.core.Tracer):
+        return value
+    if isinstance(value, (np.generic, np.ndarray, jax.Array)) and np.ndim(value) == 0:
+        kind = np.asarray(value).dtype
+        if np.issubdtype(kind, np.floating) or np.issubdtype(kind, np.integer):
+            value = float(value)
+    check_float(name, value, strict=True)
+    return value
+
+
 def _finish(loss, mask):
     return loss if mask is None else jnp.where(mask, loss, 0.0)
 
@@ -262,7 +280,7 @@ def certificate_violation_softplus(
     Raises:
       ValueError: ``temperature <= 0``, or as :func:`certificate_violation`.
     """
-    check_float("temperature", temperature, strict=True)
+    temperature = _positive("temperature", temperature)
     excess, _, _, mask = _excess(
         drafter_logits, target_logits, rule, margin, where, differentiate_target, top_k, axis_name
     )
@@ -302,7 +320,7 @@ def certificate_miss(
     Raises:
       ValueError: ``temperature <= 0``, or as :func:`certificate_violation`.
     """
-    check_float("temperature", temperature, strict=True)
+    temperature = _positive("temperature", temperature)
     excess, _, c, mask = _excess(
         drafter_logits, target_logits, rule, margin, where, differentiate_target, top_k, axis_name
     )
@@ -372,7 +390,7 @@ def certificate_ratio(
     Raises:
       ValueError: ``eps <= 0``, or as :func:`certificate_violation`.
     """
-    check_float("eps", eps, strict=True)
+    eps = _positive("eps", eps)
     _, kl, c, mask = _excess(
         drafter_logits, target_logits, rule, 0.0, where, differentiate_target, top_k, axis_name
     )

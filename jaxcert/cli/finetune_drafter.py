@@ -76,7 +76,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--learning-rate",
         type=positive_float,
-        default=1e-4,
+        default=1e-5,
         help="peak Adam rate, warm-up then cosine decay (default %(default)s)",
     )
     p.add_argument(
@@ -124,7 +124,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="write a fine-tuned drafter here as a Hugging Face folder (vLLM's draft_model, "
         "jaxcert decode --drafter): the run of --export-run, by default the objective with "
-        "the highest held-out greedy-certified fraction, seed 0",
+        "the highest held-out greedy-certified fraction, first seed (a new folder, outside "
+        "--out)",
     )
     p.add_argument("--export-run", default=None, metavar="OBJECTIVE-seedS")
     p.add_argument(
@@ -148,17 +149,59 @@ def _objectives(spec: str):
     if unknown or not names:
         known = ", ".join(finetune.OBJECTIVES)
         raise ValueError(f"--objectives: unknown {unknown or spec!r}; choose from {known}")
+    if len(set(names)) < len(names):
+        raise ValueError(f"--objectives: {spec!r} names an objective twice")
     return [finetune.OBJECTIVES[n] for n in names]
 
 
-def _ints(option: str, spec: str) -> tuple[int, ...]:
+def _ints(option: str, spec: str, low: int = 0) -> tuple[int, ...]:
     try:
         values = tuple(int(s) for s in spec.split(",") if s.strip())
     except ValueError:
         raise ValueError(f"{option}: comma-separated integers, got {spec!r}") from None
     if not values:
         raise ValueError(f"{option}: give at least one")
+    if min(values) < low or len(set(values)) < len(values):
+        raise ValueError(f"{option}: distinct integers >= {low}, got {spec!r}")
     return values
+
+
+def _check_blocks(args, layers: int) -> int:
+    """``s`` (--states-after), once --trained-blocks and --sweep fit the drafter's blocks."""
+    states_after = args.states_after if args.states_after is not None else max(layers - 4, 1)
+    if not 1 <= states_after < layers:
+        raise ValueError(
+            f"--states-after must be in [1, {layers}) (the drafter's {layers} blocks), "
+            f"got {states_after}"
+        )
+    room = layers - states_after
+    for option, n in [("--trained-blocks", args.trained_blocks)] + [
+        ("--sweep", n) for n in (_ints("--sweep", args.sweep, 1) if args.sweep else ())
+    ]:
+        if n > room:
+            raise ValueError(
+                f"{option} {n}: the states come after {states_after} of the drafter's {layers} "
+                f"blocks, so at most {room} can train (lower --states-after)"
+            )
+    return states_after
+
+
+def _check_export(args, out: pathlib.Path, objectives, seeds) -> None:
+    if args.export is None:
+        if args.export_run is not None:
+            raise ValueError("--export-run needs --export FOLDER")
+        return
+    export = args.export.resolve()
+    if export.exists():
+        raise ValueError(f"--export: {args.export} exists; choose a new folder")
+    if export == out.resolve() or out.resolve() in export.parents:
+        raise ValueError(f"--export: {args.export} is inside --out {out}; choose a folder outside")
+    runs = [f"{o.name}-seed{s}" for s in seeds for o in objectives]
+    if args.export_run is not None and args.export_run not in runs:
+        raise ValueError(f"--export-run: no run {args.export_run!r} in this command; choose from "
+                         f"{', '.join(runs)}")  # fmt: skip
+    if args.sweep is not None:
+        raise ValueError("--export with --sweep: the sweep trains no run to export")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -166,26 +209,46 @@ def run(args: argparse.Namespace) -> int:
 
     import jax.numpy as jnp
 
+    from jaxcert import models as models_lib
+    from jaxcert.base.folders import check_options
     from jaxcert.cli._common import check_vocabularies, load_model, load_prompt_set
     from jaxcert.training import finetune, finetune_recipe
     from jaxcert.training.head_recipe import decode_prompt_ids
 
     started = time.perf_counter()
-    objectives = _objectives(args.objectives)  # every option is checked before any loading
-    seeds = _ints("--seeds", args.seeds)
-    sweep = None if args.sweep is None else _ints("--sweep", args.sweep)
-    if args.export_run is not None and args.export is None:
-        raise ValueError("--export-run needs --export FOLDER")
-    check_vocabularies(args.target, args.drafter)
     out: pathlib.Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
+    # every option is checked before a model loads or anything is written
+    objectives = _objectives(args.objectives)
+    seeds = _ints("--seeds", args.seeds)
+    sweep = None if args.sweep is None else _ints("--sweep", args.sweep, 1)
+    _check_export(args, out, objectives, seeds)
+    check_vocabularies(args.target, args.drafter)
+    try:
+        layers = models_lib.read_config(args.drafter).num_layers
+    except ValueError as err:
+        raise ValueError(f"--drafter: {err}") from None
+    states_after = _check_blocks(args, layers)
     prompt_set = load_prompt_set(args.prompts, max_prompts=args.max_prompts)
+    if not any(p.response for p in prompt_set):
+        raise ValueError(
+            f"--prompts: {args.prompts} has no replies to train on (finetune-drafter reads "
+            "ShareGPT-style conversations: a human turn, then the assistant's reply)"
+        )
+    data_options = {
+        "target": args.target, "drafter": args.drafter, "prompts": args.prompts,
+        "max_prompts": args.max_prompts, "positions": args.positions,
+        "heldout_sequences": args.heldout_sequences, "states_after": states_after,
+    }  # fmt: skip
+    check_options(out, data_options, advice="use another --out (the records and states are "
+                  "the runs' data)")  # fmt: skip
     log(f"loading the target {args.target} (float32)")
     target = load_model("--target", args.target, dtype=jnp.float32)
     log(f"loading the drafter {args.drafter} (float32)")
     drafter = load_model("--drafter", args.drafter, dtype=jnp.float32)
-    layers = drafter.config.num_layers
-    states_after = args.states_after if args.states_after is not None else max(layers - 4, 1)
+    try:
+        models_lib.check_same_vocabulary(target, drafter)
+    except ValueError as err:
+        raise ValueError(f"--drafter: {err}") from None
     settings = finetune_recipe.RecipeSettings(
         positions=args.positions, heldout=args.heldout_sequences, states_after=states_after
     )
@@ -285,11 +348,11 @@ def run(args: argparse.Namespace) -> int:
     finetune_recipe.plot_curves(runs, out / "learning_curves.png")
     print(text)
     if args.export is not None:
-        _export(args, summary, drafter, models, out)
+        _export(args, summary, drafter, models, out, seeds)
     return 0
 
 
-def _export(args, summary, drafter, models, out) -> None:
+def _export(args, summary, drafter, models, out, seeds) -> None:
     import dataclasses
 
     from jaxcert.models.export import save_hf
@@ -298,7 +361,7 @@ def _export(args, summary, drafter, models, out) -> None:
     if name is None:
         objectives = {k: v for k, v in summary["objectives"].items() if k != "untrained"}
         best = max(objectives, key=lambda k: objectives[k]["certified:greedy"][0])
-        name = f"{best}-seed0"
+        name = f"{best}-seed{seeds[0]}"
     if name not in models or name == "untrained":
         choices = ", ".join(n for n in models if n != "untrained")
         raise ValueError(f"--export-run: no run {name!r} here; choose from {choices}")

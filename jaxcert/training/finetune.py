@@ -34,7 +34,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxcert.base.folders import atomic_file, atomic_write, refuse_other_options
+from jaxcert.base.folders import atomic_file, atomic_write, check_options, refuse_other_options
 from jaxcert.base.validate import check_int
 from jaxcert.training import head_data
 
@@ -219,10 +219,13 @@ def read_drafter_states(folder: str | os.PathLike) -> DrafterStates:
     path = _states_manifest(folder)
     if not path.is_file():
         raise FileNotFoundError(f"{folder}: no drafter states (manifest.json) there")
-    record = json.loads(path.read_text())
-    if record.get("version") != STATES_VERSION:
-        raise ValueError(f"{path}: version {record.get('version')}, expected {STATES_VERSION}")
-    return DrafterStates(folder, record["drafter"], record["blocks"], tuple(record["shards"]))
+    try:
+        record = json.loads(path.read_text())
+        if record.get("version") != STATES_VERSION:
+            raise ValueError(f"version {record.get('version')}, expected {STATES_VERSION}")
+        return DrafterStates(folder, record["drafter"], record["blocks"], tuple(record["shards"]))
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise ValueError(f"{path} is damaged ({err}); move the folder away") from None
 
 
 @jax.jit(static_argnames=("graphdef", "blocks"))
@@ -550,15 +553,27 @@ def _load_checkpoint(folder: pathlib.Path, trainable, opt_state):
     if not (path / "progress.json").is_file():
         return None
     out = []
-    for name, tree in (("params", trainable), ("optimizer", opt_state)):
-        saved = load_file(path / f"{name}.safetensors")
-        leaves, treedef = jax.tree.flatten(tree)
-        out.append(
-            jax.tree.unflatten(
-                treedef, [jnp.asarray(saved[f"{i:05d}"], x.dtype) for i, x in enumerate(leaves)]
+    try:
+        for name, tree in (("params", trainable), ("optimizer", opt_state)):
+            saved = load_file(path / f"{name}.safetensors")
+            leaves, treedef = jax.tree.flatten(tree)
+            arrays = [saved[f"{i:05d}"] for i in range(len(leaves))]
+            if any(a.shape != x.shape for a, x in zip(arrays, leaves, strict=True)):
+                raise ValueError(f"{name}.safetensors holds arrays of other shapes")
+            out.append(
+                jax.tree.unflatten(
+                    treedef, [jnp.asarray(a, x.dtype) for a, x in zip(arrays, leaves, strict=True)]
+                )
             )
-        )
-    return out[0], out[1], json.loads((path / "progress.json").read_text())
+        progress = json.loads((path / "progress.json").read_text())
+        if not isinstance(progress, dict) or not isinstance(progress.get("step"), int):
+            raise ValueError("progress.json holds no step")
+    except Exception as err:  # safetensors' own error type, OSError, KeyError, ValueError
+        raise ValueError(
+            f"{path}: a damaged checkpoint ({str(err).splitlines()[0][:120]}); move it away to "
+            "train this run from the start"
+        ) from None
+    return out[0], out[1], progress
 
 
 def _device_batch(data, rows, width, devices, rule_names) -> dict[str, np.ndarray]:
@@ -681,14 +696,8 @@ def finetune_drafter(
     out = None if folder is None else pathlib.Path(folder)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-        saved_key = out / "run.json"
         if key is not None:
-            if saved_key.is_file():
-                refuse_other_options(
-                    out, json.loads(saved_key.read_text()), dict(key), advice="use another folder"
-                )
-            else:
-                atomic_write(saved_key, json.dumps(dict(key), indent=1))
+            check_options(out, key, name="run.json", advice="use another folder")
         resumed = _load_checkpoint(out, trainable, opt_state)
         if resumed is not None:
             trainable, opt_state, progress = resumed

@@ -105,6 +105,16 @@ def _spec(target: LoadedModel, settings: RecipeSettings, top_k: int) -> head_dat
     )
 
 
+def _read_json(path: pathlib.Path) -> dict:
+    """A cache file's JSON object; ``{}`` when it is missing or unreadable (the figures are
+    then measured again and the file replaced)."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
 def write_records(
     target: LoadedModel,
     prompt_set: Sequence[prompts.Prompt],
@@ -263,10 +273,9 @@ def heldout_figures(
     """Per held-out sequence (:func:`finetune.evaluate_drafter`), cached in ``path`` (keyed
     by the held-out shards; the run's folder is keyed by its training)."""
     key = [s["digest"] for s in data.heldout.shards]
-    if path.is_file():
-        saved = json.loads(path.read_text())
-        if saved.get("key") == key:
-            return {k: np.asarray(v) for k, v in saved["per_sequence"].items()}
+    saved = _read_json(path)
+    if saved.get("key") == key and isinstance(saved.get("per_sequence"), dict):
+        return {k: np.asarray(v) for k, v in saved["per_sequence"].items()}
     per = finetune.evaluate_drafter(
         drafter,
         trainable,
@@ -423,8 +432,8 @@ def decode_runs(
     width = max(len(p) for p in prompt_ids)
     for name, drafter in drafters.items():
         path = folder_of[name] / "decode.json"
-        saved = json.loads(path.read_text()) if path.is_file() else {}
-        if saved.get("key") != key:
+        saved = _read_json(path)
+        if saved.get("key") != key or not isinstance(saved.get("runs"), dict):
             saved = {"key": key, "runs": {}}
         for config_name, temperature, policy in DECODE_CONFIGS:
             if config_name in saved["runs"]:
@@ -471,8 +480,8 @@ def speed_runs(
     from jaxcert import decoding
 
     key = {"prompts": [list(map(int, p)) for p in prompt_ids], "tokens": tokens, "policy": policy}
-    saved = json.loads(path.read_text()) if path.is_file() else {}
-    if saved.get("key") != key:
+    saved = _read_json(path)
+    if saved.get("key") != key or not isinstance(saved.get("methods"), dict):
         saved = {"key": key, "methods": {}}
     config = _decode_config(0.0, target, tokens)
     outputs: dict[str, list[list[int]]] = {

@@ -463,10 +463,15 @@ def read_store(folder: str | os.PathLike) -> Store:
     path = _manifest_path(folder)
     if not path.is_file():
         raise FileNotFoundError(f"{folder}: no head-record store (manifest.json) there")
-    record = json.loads(path.read_text())
-    if record.get("version") != STORE_VERSION:
-        raise ValueError(f"{path}: store version {record.get('version')}, expected {STORE_VERSION}")
-    return Store(folder, StoreSpec.from_json(record["spec"]), tuple(record["shards"]))
+    try:
+        record = json.loads(path.read_text())
+        version = record.get("version")
+        spec, shards = record["spec"], tuple(record["shards"])
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise ValueError(f"{path} is damaged ({err}); move the store away") from None
+    if version != STORE_VERSION:
+        raise ValueError(f"{path}: store version {version}, expected {STORE_VERSION}")
+    return Store(folder, StoreSpec.from_json(spec), shards)
 
 
 def _write_manifest(store: Store) -> None:

@@ -105,12 +105,68 @@ def _checkpoint(folder, model):
     return jax.tree.unflatten(treedef, restored), None
 
 
-def test_finetune_drafter_refuses_bad_options_before_loading(folders, tmp_path, capsys):
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--objectives", "kl,cvar"], "--objectives: unknown ['cvar']"),
+        (["--objectives", "kl,kl"], "names an objective twice"),
+        (["--seeds", "0,x"], "--seeds: comma-separated integers"),
+        (["--seeds", "0,0"], "--seeds: distinct integers >= 0"),
+        (["--export-run", "kl-seed0"], "--export-run needs --export FOLDER"),
+        (
+            ["--export", "EXPORT", "--export-run", "kl+tv-seed0"],
+            "--export-run: no run 'kl+tv-seed0'",
+        ),
+        (["--export", "OUT/hf"], "is inside --out"),
+        (["--export", "EXPORT", "--sweep", "1"], "the sweep trains no run to export"),
+        (
+            ["--trained-blocks", "3"],
+            "--trained-blocks 3: the states come after 1 of the drafter's 3",
+        ),
+        (["--sweep", "1,3"], "--sweep 3: the states come after 1"),
+        (["--states-after", "3"], "--states-after must be in [1, 3)"),
+    ],
+)
+def test_finetune_drafter_refuses_bad_options_before_loading(
+    folders, tmp_path, capsys, monkeypatch, extra, message
+):
+    def boom(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(models, "load", boom)
     out = tmp_path / "o"
-    assert cli.main(_argv(folders, out, "--objectives", "kl,cvar")) == 2
-    assert "--objectives: unknown ['cvar']" in capsys.readouterr().err
-    assert cli.main(_argv(folders, out, "--seeds", "0,x")) == 2
-    assert "--seeds: comma-separated integers" in capsys.readouterr().err
-    assert cli.main(_argv(folders, out, "--export-run", "kl-seed0")) == 2
-    assert "--export-run needs --export FOLDER" in capsys.readouterr().err
+    extra = [
+        str(out) + "/hf" if e == "OUT/hf" else str(tmp_path / "x") if e == "EXPORT" else e
+        for e in extra
+    ]
+    assert cli.main(_argv(folders, out, *extra)) == 2
+    assert message in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_finetune_drafter_refuses_prompts_without_replies(folders, tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "the cat"}\n{"prompt": "an otter"}\n')
+    argv = _argv(folders, tmp_path / "o")
+    argv[argv.index("--prompts") + 1] = str(prompts)
+    assert cli.main(argv) == 2
+    assert "has no replies to train on" in capsys.readouterr().err
+
+
+def test_changed_data_options_are_refused_before_anything_is_written(folders, tmp_path, capsys):
+    """A larger --positions on a finished folder would grow its records under runs trained
+    on the old ones: refused, and the folder left as it was."""
+    out = tmp_path / "o"
+    argv = _argv(folders, out, "--objectives", "kl", "--seeds", "0", "--decode-prompts", "0")
+    assert cli.main(argv) == 0
+    stamps = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+    more = list(argv)
+    more[more.index("--positions") + 1] = "200"
+    assert cli.main(more) == 2
+    assert "positions (then 60, now 200)" in capsys.readouterr().err
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == stamps
+    # a damaged checkpoint is named in one line, not a traceback
+    (out / "kl-seed0" / "checkpoint" / "params.safetensors").write_bytes(b"junk")
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "kl-seed0/checkpoint: a damaged checkpoint" in err and "Traceback" not in err

@@ -341,3 +341,22 @@ def test_rejection_rate_matches_definition_and_gradients(x64):
     assert np.all(np.asarray(masked)[1::2] == 0.0)
     nan_row = t.at[0, 0].set(jnp.nan)
     assert np.isnan(np.asarray(losses.rejection_rate(d, nan_row))[0])
+
+
+def test_temperature_may_be_a_numpy_or_jax_scalar_or_traced():
+    """An annealed temperature: NumPy and JAX scalars are checked like floats, a traced one
+    (under jit) passes through."""
+    d, t = _pair(7, shape=(3, 6))
+    want = losses.certificate_miss(d, t, R.StrictGreedy(), temperature=0.1)
+    for temperature in (np.float32(0.1), jnp.float32(0.1), np.array(0.1)):
+        got = losses.certificate_miss(d, t, R.StrictGreedy(), temperature=temperature)
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    jitted = jax.jit(lambda tau: losses.certificate_miss(d, t, R.StrictGreedy(), temperature=tau))
+    np.testing.assert_allclose(jitted(0.1), want, rtol=1e-6)
+    smooth = jax.jit(
+        lambda tau: losses.certificate_violation_softplus(d, t, R.StrictGreedy(), temperature=tau)
+    )
+    assert np.all(np.isfinite(np.asarray(smooth(jnp.float32(0.2)))))
+    for bad in (np.float32(0.0), jnp.float32(-1.0), np.float64(np.inf)):
+        with pytest.raises(ValueError, match="temperature must be a finite number > 0"):
+            losses.certificate_miss(d, t, R.StrictGreedy(), temperature=bad)
