@@ -121,6 +121,7 @@ def run(args) -> int:
     )  # fmt: skip
     written = "summary.md and run.json"
     if args.drafter_logits is not None:
+        _warn_bad_drafter_rows(table)
         section, extra["drafter_summary"] = report.drafter_report(
             out, table, rules, name=args.drafter_logits.name, plots=True
         )
@@ -148,6 +149,25 @@ def run(args) -> int:
 
 
 _DENSE = (".npy", ".safetensors")
+
+
+def _warn_bad_drafter_rows(table) -> None:
+    """One line naming the positions whose target row is a distribution but whose drafter
+    row is not (NaN or +inf logits, or none finite): their ``kl`` is ``nan`` and the
+    verifier's ``accepted`` is false there, as for a proposal the target cannot score."""
+    import numpy as np
+
+    from jaxcert.pipeline import logits as certify_logits
+
+    kl = table["kl"].to_numpy(zero_copy_only=False)
+    valid = table["valid"].to_numpy(zero_copy_only=False) if "valid" in table.column_names else 1
+    bad = np.flatnonzero(np.isnan(kl) & (valid != 0))
+    if len(bad):
+        verb = "holds" if len(bad) == 1 else "hold"
+        print(f"[jaxcert] {counted(len(bad), 'drafter row')} {verb} NaN or +inf logits, or no "
+              "finite one (kl nan, counted as not accepted): "
+              f"{certify_logits.row_list([str(int(i)) for i in bad])}",
+              file=sys.stderr)  # fmt: skip
 
 
 def _check_drafter_logits(args, dense: bool) -> None:

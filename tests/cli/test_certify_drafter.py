@@ -274,3 +274,21 @@ def test_certify_logits_refuses_a_drafter_dump_it_cannot_pair(
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
     assert not out.exists()
+
+
+def test_certify_logits_names_drafter_rows_that_are_no_distribution(dumps, capsys):
+    root, target, drafter = dumps
+    bad = drafter.copy()
+    bad[0, 2] = np.nan  # position 2
+    bad[1, 0, 3] = np.inf  # position 7
+    np.save(root / "bad.npy", bad)
+    out = root / "bad-out"
+    argv = ["certify-logits", str(root / "target.npy"), "--drafter-logits",
+            str(root / "bad.npy"), "--rules", SPECS, "--out", str(out)]  # fmt: skip
+    assert cli.main(argv) == 0
+    err = capsys.readouterr().err
+    assert "2 drafter rows hold NaN or +inf logits, or no finite one" in err
+    assert "counted as not accepted): 2, 7" in err
+    table = pq.read_table(out / "certificates.parquet")
+    kl = table.column("kl").to_numpy()
+    assert np.isnan(kl[[2, 7]]).all() and np.isfinite(np.delete(kl, [2, 7])).all()
