@@ -477,6 +477,12 @@ class _Program:
         trainable = optax.apply_updates(trainable, updates)
         return trainable, opt_state, {"loss": loss, **aux}
 
+    def initial_kl(self, initial, frozen, batch):
+        """The batch's mean window KL under the initial parameters (forward only)."""
+        _, aux = _loss(initial, frozen, self.graphdef, batch, self.objective, self.rule_index,
+                       self.first)  # fmt: skip
+        return aux["kl"]
+
 
 def _split(model: Transformer, trained: int):
     keep = trainable_filter(model.config.num_layers, trained)
@@ -627,6 +633,7 @@ def finetune_drafter(
     evaluate: Callable[[nnx.State], dict[str, float]] | None = None,
     mesh: Mesh | None = None,
     log: Callable[[int, dict[str, float]], None] | None = None,
+    compare_initial: bool = False,
 ) -> tuple[nnx.State, dict]:
     """Trains the drafter's top ``settings.trained_blocks`` blocks and final norm.
 
@@ -649,6 +656,10 @@ def finetune_drafter(
         results go into the progress's ``curve`` (the learning curve).
       mesh: a mesh with a ``"data"`` axis to split each batch over (``None``: one device).
       log: called as ``log(step, entry)`` after each step.
+      compare_initial: also log ``kl_initial``, the step's batch KL under the initial
+        parameters (one more forward a step): ``kl - kl_initial`` on batches not yet trained
+        on is the change a run has made on fresh text (progressive validation; the sweep's
+        measure).
 
     Returns:
       ``(trainable, progress)``: the trained parameters (:func:`merged_drafter` makes the
@@ -710,6 +721,10 @@ def finetune_drafter(
         trainable, opt_state, frozen = jax.device_put((trainable, opt_state, frozen), replicated)
     program = _Program(graphdef, objective, rule_index, first, tx)
     step_fn = jax.jit(program.step, donate_argnums=(0, 1))
+    initial = jax.tree.map(jnp.array, _split(drafter, n_trained)[1]) if compare_initial else None
+    if initial is not None and mesh is not None:
+        initial = jax.device_put(initial, replicated)
+    initial_fn = jax.jit(program.initial_kl)
     if evaluate is not None and not progress["curve"]:
         progress["curve"].append({"step": 0, **evaluate(trainable)})
     for i in range(progress["step"], settings.steps):
@@ -724,6 +739,8 @@ def finetune_drafter(
             else:
                 entry[k] = float(v)
         entry["seconds"] = round(time.perf_counter() - t0, 3)
+        if initial is not None:  # after the timing: the step's own seconds stay comparable
+            entry["kl_initial"] = float(initial_fn(initial, frozen, batch))
         progress["history"].append(entry)
         progress["step"] = i + 1
         if log is not None:

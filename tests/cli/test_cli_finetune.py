@@ -170,3 +170,15 @@ def test_changed_data_options_are_refused_before_anything_is_written(folders, tm
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert "kl-seed0/checkpoint: a damaged checkpoint" in err and "Traceback" not in err
+
+
+def test_the_sweep_writes_its_table_and_stops(folders, tmp_path, capsys):
+    out = tmp_path / "o"
+    assert cli.main(_argv(folders, out, "--sweep", "1,2", "--sweep-steps", "3")) == 0
+    rows = json.loads((out / "sweep.json").read_text())["rows"]
+    assert [r["trained_blocks"] for r in rows] == [1, 2]
+    for r in rows:
+        assert np.isfinite(r["fresh_kl_change"]) and 0 <= r["certified:greedy"] <= 1
+        assert r["seconds_per_step"] > 0
+    assert "fresh_kl_change" in (out / "sweep.md").read_text()
+    assert not (out / "kl-seed0").exists()  # the sweep trains no comparison run

@@ -353,3 +353,13 @@ def test_data_parallel_training_equals_one_device(pair, stores, tmp_path):
         devices=2,
     )
     assert out["diff"] < 1e-5, out
+
+
+def test_compare_initial_logs_the_untrained_kl_of_each_batch(pair, stores):
+    _, progress = _train(pair, stores, "kl", compare_initial=True)
+    history = progress["history"]
+    assert history[0]["kl"] == pytest.approx(history[0]["kl_initial"], rel=1e-6)  # no update yet
+    assert any(abs(h["kl"] - h["kl_initial"]) > 1e-5 for h in history[1:])
+    _, plain = _train(pair, stores, "kl")
+    assert "kl_initial" not in plain["history"][0]
+    assert [h["kl"] for h in plain["history"]] == pytest.approx([h["kl"] for h in history])
