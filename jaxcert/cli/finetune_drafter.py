@@ -61,7 +61,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--trained-blocks",
         type=positive,
-        default=2,
+        default=4,
         help="N, the drafter's top blocks trained with its final norm (default %(default)s)",
     )
     p.add_argument(
@@ -93,7 +93,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "held-out figures and seconds a step), then stop",
     )
     p.add_argument(
-        "--sweep-steps", type=positive, default=40, help="steps of each sweep run (default 40)"
+        "--sweep-steps", type=positive, default=20, help="steps of each sweep run (default 20)"
     )
     p.add_argument(
         "--decode-prompts",

@@ -369,10 +369,10 @@ class FinetuneSettings:
       every: steps between checkpoints (and held-out evaluations of the learning curve).
     """
 
-    trained_blocks: int = 2
+    trained_blocks: int = 4
     steps: int = 150
     batch_size: int = 8
-    learning_rate: float = 1e-4
+    learning_rate: float = 1e-5
     every: int = 25
 
     def __post_init__(self) -> None:
