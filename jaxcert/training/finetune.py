@@ -582,7 +582,7 @@ def _load_checkpoint(folder: pathlib.Path, trainable, opt_state):
     return out[0], out[1], progress
 
 
-def _device_batch(data, rows, width, devices, rule_names) -> dict[str, np.ndarray]:
+def _device_batch(data, rows, width, devices) -> dict[str, np.ndarray]:
     records, states = data
     mask = records.mask
     index, weight = _gather_plan(mask[rows], devices, width)
@@ -728,7 +728,7 @@ def finetune_drafter(
     if evaluate is not None and not progress["curve"]:
         progress["curve"].append({"step": 0, **evaluate(trainable)})
     for i in range(progress["step"], settings.steps):
-        batch = place(_device_batch((records, states), plan[i], width, devices, rule_names))
+        batch = place(_device_batch((records, states), plan[i], width, devices))
         t0 = time.perf_counter()
         trainable, opt_state, metrics = step_fn(trainable, opt_state, frozen, batch)
         entry: dict[str, Any] = {"step": i + 1}

@@ -290,6 +290,23 @@ def heldout_figures(
     return per
 
 
+def _run(
+    drafter: Transformer,
+    data: Data,
+    objective: finetune.FinetuneObjective,
+    seed: int,
+    ft: finetune.FinetuneSettings,
+    folder: pathlib.Path,
+    **kwargs: Any,
+) -> tuple[nnx.State, dict]:
+    """One resumable run in ``folder``, keyed by its data, objective, seed and schedule."""
+    key = finetune.run_key(data.store, data.states_manifest, objective, seed, ft)
+    return finetune.finetune_drafter(
+        drafter, data.records, data.states, objective, rule_names=data.rule_names,
+        first=data.first, settings=ft, seed=seed, folder=folder, key=key, **kwargs,
+    )  # fmt: skip
+
+
 def sweep_blocks(
     drafter: Transformer,
     data: Data,
@@ -314,20 +331,7 @@ def sweep_blocks(
         ft = dataclasses.replace(settings.finetune, trained_blocks=n, steps=steps, every=steps)
         folder = out / "sweep" / f"N{n}"
         objective = finetune.OBJECTIVES["kl"]
-        key = finetune.run_key(data.store, data.states_manifest, objective, 0, ft)
-        trainable, progress = finetune.finetune_drafter(
-            drafter,
-            data.records,
-            data.states,
-            objective,
-            rule_names=data.rule_names,
-            first=data.first,
-            settings=ft,
-            seed=0,
-            folder=folder,
-            key=key,
-            compare_initial=True,
-        )
+        trainable, progress = _run(drafter, data, objective, 0, ft, folder, compare_initial=True)
         per = heldout_figures(drafter, trainable, data, n, folder / "heldout.json")
         history = progress["history"]
         seconds = [h["seconds"] for h in history[1:]]
@@ -363,24 +367,19 @@ def train_runs(
     for seed in settings.seeds:
         for objective in objectives:
             folder = out / f"{objective.name}-seed{seed}"
-            key = finetune.run_key(data.store, data.states_manifest, objective, seed, ft)
 
             def step_log(step: int, entry: dict, name: str = folder.name) -> None:
                 if step % 10 == 0 or step == ft.steps:
                     shown = {k: round(v, 4) for k, v in entry.items() if k != "step"}
                     log(f"{name} step {step}/{ft.steps}: {shown}")
 
-            trainable, progress = finetune.finetune_drafter(
+            trainable, progress = _run(
                 drafter,
-                data.records,
-                data.states,
+                data,
                 objective,
-                rule_names=data.rule_names,
-                first=data.first,
-                settings=ft,
-                seed=seed,
-                folder=folder,
-                key=key,
+                seed,
+                ft,
+                folder,
                 evaluate=_curve_point(drafter, data, ft.trained_blocks, settings.curve_sequences),
                 mesh=mesh,
                 log=step_log,
