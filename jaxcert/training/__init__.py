@@ -32,6 +32,13 @@ disk and resumable), :mod:`~jaxcert.training.eagle` (the window losses and resum
 training, and in-memory training for small targets) and
 :mod:`~jaxcert.training.head_recipe` (the steps of head mode: stores, objectives x seeds,
 held-out evaluation, decoding, the table).
+
+A drafter model fine-tuned toward its target (``jaxcert finetune-drafter``,
+``docs/training.md``, "Fine-tuning a drafter at the boundary"):
+:mod:`~jaxcert.training.finetune` (the drafter's frozen-bottom states, the objectives on the
+target's window, resumable data-parallel training of the top blocks, held-out evaluation)
+and :mod:`~jaxcert.training.finetune_recipe` (the steps: records, states, the sweep, runs per
+objective and seed, decoder figures, the tables).
 """
 
 from jaxcert.training.evaluation import chain_acceptance_length, decoder_acceptance, evaluate
