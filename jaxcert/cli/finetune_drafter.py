@@ -15,7 +15,7 @@ import sys
 import time
 
 from jaxcert.cli import DEFAULT_DECODE_TARGET, DEFAULT_DRAFTER
-from jaxcert.cli.argtypes import non_negative, positive, positive_float
+from jaxcert.cli.argtypes import non_negative, non_negative_float, positive, positive_float
 
 __all__ = ["add_parser", "run"]
 
@@ -84,6 +84,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default="kl,kl+greedy,kl+tree4,kl+tv,kl+miss",
         help="comma-separated, of kl, kl+greedy, kl+tree4, kl+tv, kl+miss (default %(default)s)",
     )
+    p.add_argument(
+        "--margin",
+        type=non_negative_float,
+        default=0.05,
+        help="nats of slack the certificate terms ask below C_p (kl+greedy, kl+tree4, kl+miss; "
+        "default %(default)s)",
+    )
+    p.add_argument(
+        "--weight",
+        type=non_negative_float,
+        default=1.0,
+        help="weight of each objective's term beside KL (default %(default)s)",
+    )
     p.add_argument("--seeds", default="0,1", help="one run per seed (default %(default)s)")
     p.add_argument(
         "--sweep",
@@ -141,7 +154,9 @@ def log(message: str) -> None:
     print(f"[jaxcert] {message}", file=sys.stderr, flush=True)
 
 
-def _objectives(spec: str):
+def _objectives(spec: str, margin: float = 0.0, weight: float = 1.0):
+    import dataclasses
+
     from jaxcert.training import finetune
 
     names = [s.strip() for s in spec.split(",") if s.strip()]
@@ -151,7 +166,14 @@ def _objectives(spec: str):
         raise ValueError(f"--objectives: unknown {unknown or spec!r}; choose from {known}")
     if len(set(names)) < len(names):
         raise ValueError(f"--objectives: {spec!r} names an objective twice")
-    return [finetune.OBJECTIVES[n] for n in names]
+    return [
+        dataclasses.replace(
+            finetune.OBJECTIVES[n],
+            weight=weight,
+            margin=margin if finetune.OBJECTIVES[n].rule is not None else 0.0,
+        )
+        for n in names
+    ]
 
 
 def _ints(option: str, spec: str, low: int = 0) -> tuple[int, ...]:
@@ -218,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     out: pathlib.Path = args.out
     # every option is checked before a model loads or anything is written
-    objectives = _objectives(args.objectives)
+    objectives = _objectives(args.objectives, args.margin, args.weight)
     seeds = _ints("--seeds", args.seeds)
     sweep = None if args.sweep is None else _ints("--sweep", args.sweep, 1)
     _check_export(args, out, objectives, seeds)

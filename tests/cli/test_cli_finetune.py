@@ -61,6 +61,9 @@ def test_finetune_drafter_end_to_end_and_resumed(folders, tmp_path, capsys):
         assert "vs_untrained:T0 cert:0.55" in entry
         assert entry["T0 constant:5"][0] >= 1.0  # tokens per round: at least the target's
     assert results["training_positions"] >= 60
+    keys = {n: json.loads((out / n / "run.json").read_text())["objective"]
+            for n in ("kl-seed0", "kl+miss-seed0")}  # fmt: skip
+    assert keys["kl+miss-seed0"]["margin"] == 0.05 and keys["kl-seed0"]["margin"] == 0.0
     curves = results["curves"]["kl-seed0"]
     assert [p["step"] for p in curves] == [0, 4]
     assert set(results["speed_batch1"]) == {"target-only", "untrained", "kl-seed0", "kl+miss-seed0"}
