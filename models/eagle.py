@@ -112,10 +112,13 @@ __all__ = [
     "DraftVocab",
     "Eagle3Layer",
     "EagleHead",
+    "check_head_target",
     "check_taps",
     "draft_vocab_from_counts",
     "load_head",
     "save_head",
+    "target_features",
+    "target_step",
 ]
 
 OOV_INIT_MASS = 1e-4  # initial weight of all outside tokens together, vs one token of logit 0
@@ -604,6 +607,40 @@ def target_features(
     return hidden, cache, (states if taps else hidden)
 
 
+def target_step(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    token: jax.Array,
+    cache: KVCache,
+    active: jax.Array,
+    taps: tuple[int, ...],
+) -> tuple[jax.Array, KVCache, jax.Array]:
+    """`jaxcert.models.decode_step` that also returns what a head with these `taps` reads.
+
+    The same pass as `decode_step` (`Transformer.features` is `tapped_features` without
+    taps), so the logits are the plain step's.
+
+    Args:
+      graphdef, params: the target, split with `nnx.split`.
+      token: `[B]` int32, the token each row appends.
+      cache: the target's cache (`B` rows).
+      active: `[B]` bool; inactive rows compute but do not commit their entry.
+      taps: the head's taps; `()` for an EAGLE-1 head.
+
+    Returns:
+      `(logits [B, V] float32, cache, states [B, Z])`: the next position's logits, the cache
+      with one more committed entry on the active rows, and the states after reading `token`
+      (:func:`target_features`' `states`, `Z = len(taps) * E` or `E`).
+
+    Raises:
+      ValueError: the errors of `Transformer.tapped_features`.
+    """
+    model = nnx.merge(graphdef, params)
+    hidden, cache, states = target_features(model, token[:, None], cache, taps)
+    logits = model.project(hidden)[:, 0]
+    return logits, cache.commit(active.astype(jnp.int32)), states[:, 0]
+
+
 def check_taps(taps, num_layers: int) -> tuple[int, ...]:
     """`taps` as a tuple of ints if they are distinct block indices of a target with
     `num_layers` blocks (the blocks an EAGLE-3 head fuses).
@@ -626,11 +663,22 @@ def check_head_fits(head: EagleHead, target_config: ModelConfig) -> None:
       ValueError: the vocabulary size, hidden width or block count of `target_config`
         differs from the head's recorded target (each named).
     """
+    check_head_target(head.target_config, target_config)
+
+
+def check_head_target(recorded: ModelConfig, target_config: ModelConfig) -> None:
+    """Refuses a target other than the one a head records (`read_head_config` reads it from
+    a head folder without its tensors; :func:`check_head_fits` from a loaded head).
+
+    Raises:
+      ValueError: the vocabulary size, hidden width or block count of `target_config`
+        differs from `recorded` (each named, on one line).
+    """
     fields = ("vocab_size", "hidden_size", "num_layers")
     diff = [
-        f"{f} {getattr(head.target_config, f)} (head) vs {getattr(target_config, f)} (target)"
+        f"{f} {getattr(recorded, f)} (head) vs {getattr(target_config, f)} (target)"
         for f in fields
-        if getattr(head.target_config, f) != getattr(target_config, f)
+        if getattr(recorded, f) != getattr(target_config, f)
     ]
     if diff:
         raise ValueError(f"the draft head was built for another target: {'; '.join(diff)}")
