@@ -64,6 +64,8 @@ def drafter_terms(
     target_logits: jax.typing.ArrayLike,
     rules: tuple,
     certificates: jax.typing.ArrayLike | None = None,
+    *,
+    proposal_logits: jax.typing.ArrayLike | None = None,
 ) -> DrafterTerms:
     """``KL(p‖q)``, ``TV``, and per rule certified and accepted, at every position.
 
@@ -74,13 +76,18 @@ def drafter_terms(
       certificates: ``[..., R]`` the target's ``C_p`` of each rule in nats, when already
         computed (``jaxcert certify`` has them); ``None``: computed here
         (:func:`jaxcert.core.solver.certificates`).
+      proposal_logits: ``[..., V]`` the logits whose top tokens the drafter proposes, where
+        they are not ``drafter_logits``: an EAGLE-3 head drafts with ``-inf`` outside its
+        draft vocabulary, while its ``q`` for ``KL`` and ``TV`` gives those tokens its
+        shared logit (:class:`jaxcert.models.EagleHead`). ``None``: ``drafter_logits``.
 
     Returns:
       A :class:`DrafterTerms`. Computed in float32 (float64 for float64 input).
 
     Raises:
       ValueError: non-floating logits, shapes that differ, no rules, or ``certificates``
-        of a shape other than ``[..., R]`` (at trace time).
+        of a shape other than ``[..., R]`` or ``proposal_logits`` of another shape than
+        ``drafter_logits`` (at trace time).
 
     Example:
       >>> import jax.numpy as jnp
@@ -106,6 +113,14 @@ def drafter_terms(
             f"certificates must be [..., R] = {(*t.shape[:-1], len(rules))}, got "
             f"{certificates.shape}"
         )
+    if proposal_logits is not None:
+        proposal_logits = jnp.asarray(proposal_logits)
+        if proposal_logits.shape != d.shape:
+            raise ValueError(
+                f"proposal_logits must have the drafter's shape {d.shape}, got "
+                f"{proposal_logits.shape}"
+            )
+        d = proposal_logits.astype(dtype)
     vocab = t.shape[-1]
     _, top = numerics.top_k(d, min(max(r.list_size for r in rules), vocab))  # [..., M]
     accepted = []
