@@ -19,11 +19,15 @@ length), not on which prompts share the batch, so an interrupted run that resume
 (``skip``) computes the same rows as an uninterrupted one.
 
 **A drafter beside the target.** With ``drafter`` (a language model of the target's
-vocabulary) every slot also holds the drafter's cache: it prefills the same prompt and, at
-each step, reads the target's greedy token (teacher-forced), in the same programs as the
-target. Each position then also records the drafter's ``KL(p‖q)``, ``TV`` and, per rule,
-whether it is certified and accepted (:mod:`jaxcert.pipeline.drafter`), computed on device
-from both logits; the target's columns are those of a run without a drafter.
+vocabulary, or a draft head of the target) every slot also holds the drafter's cache: it
+prefills the same prompt and, at each step, reads the target's greedy token
+(teacher-forced), in the same programs as the target. A draft head reads token ``x_t`` with
+the target's states at ``t - 1``, which the target's prefill and steps then also return
+(:func:`jaxcert.models.eagle.target_step`): its ``q`` at a position is the decoder's first
+drafted token's after the target read the text so far. Each position then also records the
+drafter's ``KL(p‖q)``, ``TV`` and, per rule, whether it is certified and accepted
+(:mod:`jaxcert.pipeline.drafter`), computed on device from both logits; the target's
+columns are those of a run without a drafter.
 
 On a mesh (:mod:`jaxcert.models.mesh`) the slots are split over the ``data`` axis and the weights
 over ``model``; the one-row prefill is replicated over ``data``. With ``part`` a process
@@ -56,6 +60,7 @@ from jaxcert.base.validate import check_int, round_up
 from jaxcert.core import stats as stats_lib
 from jaxcert.core.solver import certificates
 from jaxcert.decoding.protocols import reads_target
+from jaxcert.models import eagle
 from jaxcert.models import mesh as mesh_lib
 from jaxcert.pipeline.drafter import DrafterTerms, drafter_columns, drafter_terms
 from jaxcert.pipeline.report import rule_column
@@ -157,15 +162,41 @@ class Progress:
 # chunk, each prefill width, install).
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("row_cache",))
-def _prefill_piece(params, tokens, count, row_cache, *, graphdef):
+@functools.partial(jax.jit, static_argnames=("graphdef", "taps"), donate_argnames=("row_cache",))
+def _prefill_piece(params, tokens, count, row_cache, *, graphdef, taps=None):
     """Feeds ``tokens`` ``[1, T]`` (``count`` real) to a one-row cache and commits them.
 
-    Returns the logits ``[1, V]`` after the last real token (the lm_head runs on it only)."""
+    Returns ``(logits, row_cache, states)``: the logits ``[1, V]`` after the last real token
+    (the lm_head runs on it only) and, for a draft head reading ``taps`` (``None``: no
+    head), the states ``[1, T, Z]`` it reads (:func:`jaxcert.models.eagle.target_features`).
+    """
     model = nnx.merge(graphdef, params)
-    hidden, row_cache = model.features(tokens, row_cache)
+    states = None
+    if taps is None:
+        hidden, row_cache = model.features(tokens, row_cache)
+    else:
+        hidden, row_cache, states = eagle.target_features(model, tokens, row_cache, taps)
     last = lax.dynamic_index_in_dim(hidden, count - 1, axis=1, keepdims=False)  # [1, E]
-    return model.project(last), row_cache.commit(count)
+    return model.project(last), row_cache.commit(count), states
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("row_cache",))
+def _prefill_head_piece(params, tokens, count, row_cache, context, states, *, graphdef):
+    """A draft head reads a prefill piece ``tokens`` ``[1, T]`` (``count`` real): token
+    ``t`` with the fused target states at ``t - 1`` (``context`` ``[1, E]`` before the
+    first; zeros before a prompt's first token), as the decoder's prefill and the head's
+    training read (:func:`jaxcert.decoding.protocols.context_before`).
+
+    Returns ``(hidden [1, E], row_cache, context [1, E])``: the head's state after the last
+    real token (what it projects), its committed cache, and the context of the next token
+    (the fused target states at the last real token).
+    """
+    head = nnx.merge(graphdef, params)
+    fused = head.fuse(states)  # [1, T, E]
+    before = jnp.concatenate([context[:, None].astype(fused.dtype), fused[:, :-1]], axis=1)
+    hidden, row_cache = head.features(tokens, row_cache, context=before)
+    at = functools.partial(lax.dynamic_index_in_dim, index=count - 1, axis=1, keepdims=False)
+    return at(hidden), row_cache.commit(count), at(fused)
 
 
 @functools.partial(jax.jit, donate_argnames=("cache", "logits", "step", "active"))
@@ -177,31 +208,69 @@ def _install(cache, logits, step, active, row_cache, row_logits, slot):
     return cache, logits, jnp.where(hit, 0, step), active | hit
 
 
-@functools.partial(jax.jit, donate_argnames=("cache", "logits"))
-def _install_drafter(cache, logits, row_cache, row_logits, slot):
-    """:func:`_install` of the drafter's prefilled row (the target's step and active rule)."""
-    hit = jnp.arange(logits.shape[0]) == slot  # [B]
-    logits = jnp.where(hit[:, None], row_logits.astype(logits.dtype), logits)
-    return cache.put_rows(row_cache, slot), logits
+@functools.partial(jax.jit, donate_argnames=("drafter",))
+def _install_drafter(drafter, row_cache, rows, slot):
+    """:func:`_install` of the drafter's prefilled row (the target's step and active rule):
+    ``drafter`` is ``(cache, *arrays)`` (each ``[B, ...]``), ``rows`` the row's arrays
+    (``[1, ...]`` each): a language model's logits, a head's hidden state and context."""
+    cache, *arrays = drafter
+    hit = jnp.arange(arrays[0].shape[0]) == slot  # [B]
+    arrays = [
+        jnp.where(hit.reshape((-1,) + (1,) * (a.ndim - 1)), r.astype(a.dtype), a)
+        for a, r in zip(arrays, rows, strict=True)
+    ]
+    return (cache.put_rows(row_cache, slot), *arrays)
+
+
+def _drafter_terms(d_graphdef, d_params, drafter, logits, rules, values, taps) -> DrafterTerms:
+    """The drafter's terms against the target's ``logits`` ``[B, V]``. A language model's
+    ``q`` is its logits; a head's (``taps`` not ``None``) is its projected state over the
+    full vocabulary, tokens outside its draft vocabulary at its shared logit (a finite
+    ``KL``), its proposals the tokens it drafts (``-inf`` outside for an EAGLE-3 head)."""
+    certs = jnp.stack(values, axis=-1)  # [B, R]
+    if taps is None:
+        return drafter_terms(drafter[1], logits, rules, certs)
+    head = nnx.merge(d_graphdef, d_params)
+    hidden = drafter[1]  # [B, E]
+    shown = None if head.outside == "oov" else head.project(hidden)
+    q = head.project(hidden, outside="oov")
+    return drafter_terms(q, logits, rules, certs, proposal_logits=shown)
+
+
+def _drafter_step(d_graphdef, d_params, drafter, token, active, states, taps):
+    """The drafter reads the target's greedy ``token`` ``[B]`` (committed on ``active``
+    rows). A head (``taps`` not ``None``) reads it with the context of the position before
+    it and keeps the fused target ``states`` ``[B, Z]`` after it as the next context."""
+    if taps is None:
+        d_logits, d_cache = models.decode_step(d_graphdef, d_params, token, drafter[0], active)
+        return d_cache, d_logits
+    head = nnx.merge(d_graphdef, d_params)
+    d_cache, _, context = drafter
+    hidden, d_cache = head.features(token[:, None], d_cache, context=context[:, None])
+    context = head.fuse(states[:, None])[:, 0].astype(context.dtype)  # [B, E]
+    return d_cache.commit(active.astype(jnp.int32)), hidden[:, 0], context
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "d_graphdef", "rules", "length", "top", "eos", "steps"),
+    static_argnames=("graphdef", "d_graphdef", "rules", "length", "top", "eos", "steps",
+                     "taps"),
     donate_argnames=("cache", "logits", "step", "active", "drafter"),
-)
+)  # fmt: skip
 def _decode_chunk(
     params, cache, logits, step, active, d_params, drafter,
-    *, graphdef, d_graphdef, rules, length, top, eos, steps,
+    *, graphdef, d_graphdef, rules, length, top, eos, steps, taps=None,
 ):  # fmt: skip
     """``length`` greedy steps of every slot; records statistics and certificates.
 
     A slot records while ``active``; it stops after ``steps`` recorded positions or (with
     ``eos``) after emitting an end-of-turn token. Inactive slots compute but commit nothing.
-    With a drafter (``drafter = (cache, logits)`` of the drafter ``d_graphdef``,
-    ``d_params``; ``None``: none) the drafter reads the same greedy tokens (teacher-forced)
-    and each step also records :func:`jaxcert.pipeline.drafter.drafter_terms` of its logits
-    against the target's.
+    With a drafter (``drafter`` the state of the drafter ``d_graphdef``, ``d_params``;
+    ``None``: none) the drafter reads the same greedy tokens (teacher-forced) and each step
+    also records :func:`jaxcert.pipeline.drafter.drafter_terms` of its ``q`` against the
+    target's. A language model's state is ``(cache, logits [B, V])``; a draft head's
+    (``taps``: the target blocks it reads, ``None`` for no head) is ``(cache, hidden
+    [B, E], context [B, E])``, and the target's step also returns the states it reads.
     """
 
     def body(carry, _):
@@ -211,12 +280,17 @@ def _decode_chunk(
         token = st.greedy_token
         terms = None
         if drafter is not None:
-            d_cache, d_logits = drafter
-            terms = drafter_terms(d_logits, logits, rules, jnp.stack(values, axis=-1))
-            d_logits, d_cache = models.decode_step(d_graphdef, d_params, token, d_cache, active)
-            drafter = (d_cache, d_logits)
+            terms = _drafter_terms(d_graphdef, d_params, drafter, logits, rules, values, taps)
         record = (st, values, active, step, terms)
-        new_logits, cache = models.decode_step(graphdef, params, token, cache, active)
+        states = None
+        if taps is None:
+            new_logits, cache = models.decode_step(graphdef, params, token, cache, active)
+        else:
+            new_logits, cache, states = eagle.target_step(
+                graphdef, params, token, cache, active, taps
+            )
+        if drafter is not None:
+            drafter = _drafter_step(d_graphdef, d_params, drafter, token, active, states, taps)
         step = step + active.astype(jnp.int32)
         active = active & (step < steps)
         if eos:
@@ -287,7 +361,9 @@ class _Slots:
     row_cache: Any  # the one-row cache a prompt is prefilled into
     owner: list  # prompt index in each slot, or None
     records: list  # each slot's recorded chunks (column dicts)
-    drafter: Any = None  # the drafter's (cache, logits [B, V]), or None without a drafter
+    # The drafter's (cache, logits [B, V]), a head's (cache, hidden [B, E], context [B, E]),
+    # or None without a drafter (_decode_chunk).
+    drafter: Any = None
     drafter_row_cache: Any = None  # the drafter's one-row cache
     done: int = 0  # prompts finished
     positions: int = 0  # positions recorded
@@ -308,12 +384,18 @@ class Certifier:
       prompts: the prompts; a prompt's ``prompt_index`` column is its index here.
       rules: the verification rules (``jaxcert.core.rules``).
       options: a :class:`CertifyOptions`.
-      drafter: a ``models.LoadedModel`` language model with the target's vocabulary, or
+      drafter: a ``models.LoadedModel`` (or the module itself): a language model with the
+        target's vocabulary, a draft head built for the target
+        (:class:`jaxcert.models.EagleHead`, as ``jaxcert decode --drafter`` loads it), or
         ``None``. It reads each prompt and the target's greedy continuation
         (teacher-forced, in the same programs as the target), and every row also gets the
         columns of :func:`jaxcert.pipeline.drafter.drafter_columns`: ``kl``, ``tv``,
-        ``drafter_token``, ``certified_<rule>`` and ``accepted_<rule>``. The target's
-        columns are those of a run without it.
+        ``drafter_token``, ``certified_<rule>`` and ``accepted_<rule>``. A head reads each
+        token ``x_t`` with the target's states at ``t - 1`` (``docs/design.md``, "Draft
+        heads"), so its ``q`` at position ``t`` is the one the decoder's first drafted token
+        has after the target read ``x_<=t``; over the full vocabulary, tokens outside a
+        reduced draft vocabulary at the head's shared logit. The target's columns are those
+        of a run without a drafter.
       mesh: a ``("data", "model")`` mesh (:func:`jaxcert.models.mesh.make_mesh`): the slots are
         split over ``data`` (the batch size rounded up to a multiple of its size), the
         weights over ``model`` (``jaxcert.models.shard``; tensor parallelism). ``None``:
@@ -333,8 +415,8 @@ class Certifier:
     Raises:
       ValueError: no rules, no prompt long enough, prompts plus steps exceed the model's
         (or the drafter's) context length, mesh axes other than data/model, more parts
-        than prompts, or a drafter of another vocabulary or that is no language model (a
-        draft head reading the target's states, prompt lookup).
+        than prompts, or a drafter of another vocabulary, a head built for another target,
+        or a drafter without a distribution (prompt lookup).
     """
 
     def __init__(
@@ -354,8 +436,11 @@ class Certifier:
         self.rules = tuple(rules)
         if not self.rules:
             raise ValueError("no rules given")
+        self._taps: tuple[int, ...] | None = None  # a draft head's taps; None: no head
         if drafter is not None:
             check_drafter(lm, drafter)
+            module = _module(drafter)
+            self._taps = tuple(module.taps) if reads_target(module) else None
         self.lm, self.drafter, self.prompts, self.options = lm, drafter, prompts, options
         self.mesh, self.progress = mesh, progress
         self.programs = Programs() if programs is None else programs
@@ -430,7 +515,7 @@ class Certifier:
         self._graphdef, self._state = nnx.split(mesh_lib.shard_model(self.lm.model, self.mesh))
         self._d_graphdef = self._d_state = None
         if self.drafter is not None:
-            drafter = mesh_lib.shard_model(self.drafter.model, self.mesh)
+            drafter = mesh_lib.shard_model(_module(self.drafter), self.mesh)
             self._d_graphdef, self._d_state = nnx.split(drafter)
         self._eos = tuple(self.lm.eos_ids) if self.options.stop_at_eos else ()
         slots = self._empty_slots()
@@ -451,12 +536,17 @@ class Certifier:
         lm, rows = self.lm, self.slots
 
         def cache(model, rows):
+            module = _module(model)
             return models.KVCache.create(
-                model.config, rows, self.cache_length, dtype=model.model.dtype, mesh=self.mesh
+                module.config, rows, self.cache_length, dtype=module.dtype, mesh=self.mesh
             )
 
         def logits():
             return self._place(np.zeros((rows, lm.config.vocab_size), np.float32))
+
+        def states():  # a head's hidden state or context, [B, E]
+            head = _module(self.drafter)
+            return self._place(np.zeros((rows, head.config.hidden_size), head.dtype))
 
         slots = _Slots(
             cache=cache(lm, rows),
@@ -468,7 +558,8 @@ class Certifier:
             records=[[] for _ in range(rows)],
         )
         if self.drafter is not None:
-            slots.drafter = (cache(self.drafter, rows), logits())
+            rest = (logits(),) if self._taps is None else (states(), states())
+            slots.drafter = (cache(self.drafter, rows), *rest)
             slots.drafter_row_cache = cache(self.drafter, 1)
         return slots
 
@@ -482,19 +573,18 @@ class Certifier:
             zero = self._replicated(np.zeros(1, np.int32))
             slots.drafter_row_cache = slots.drafter_row_cache.rollback(zero)
         start, t0 = 0, time.perf_counter()
+        d_rows = self._drafter_rows()
         for width, count in prefill_pieces(len(ids), self.options.prefill_widths):
             piece = np.zeros((1, width), np.int32)
             piece[0, :count] = ids[start : start + count]
             start += count
             tokens = self._replicated((piece, np.int32(count)))
             args = (self._state, *tokens, slots.row_cache)
-            program = self._program(_prefill_piece, args, {"graphdef": self._graphdef}, slots)
-            row_logits, slots.row_cache = program(*args)
+            static = {"graphdef": self._graphdef, "taps": self._taps}
+            program = self._program(_prefill_piece, args, static, slots)
+            row_logits, slots.row_cache, states = program(*args)
             if slots.drafter is not None:  # the drafter reads the same prompt
-                args = (self._d_state, *tokens, slots.drafter_row_cache)
-                static = {"graphdef": self._d_graphdef}
-                program = self._program(_prefill_piece, args, static, slots)
-                d_row_logits, slots.drafter_row_cache = program(*args)
+                d_rows = self._prefill_drafter(slots, tokens, states, d_rows)
             info["prefill_tokens"] += count
             info["prefill_padded_tokens"] += width
         at = self._replicated(np.int32(slot))
@@ -504,12 +594,36 @@ class Certifier:
             _install, args, {}, slots
         )(*args)
         if slots.drafter is not None:
-            args = (*slots.drafter, slots.drafter_row_cache, d_row_logits, at)
+            args = (slots.drafter, slots.drafter_row_cache, d_rows, at)
             slots.drafter = self._program(_install_drafter, args, {}, slots)(*args)
         jax.block_until_ready(slots.logits)
         info["prefill_s"] += time.perf_counter() - t0
         slots.owner[slot], slots.records[slot] = index, []
         self._report("prefill", slots)
+
+    def _drafter_rows(self) -> tuple:
+        """The drafter's row arrays before a prompt: a head's zero context ``[1, E]`` (no
+        position before the first token), nothing for a language model."""
+        if self._taps is None:
+            return ()
+        head = _module(self.drafter)
+        return (self._replicated(np.zeros((1, head.config.hidden_size), head.dtype)),)
+
+    def _prefill_drafter(self, slots: _Slots, tokens, states, rows: tuple) -> tuple:
+        """The drafter reads a prefill piece after the target (``states``: the target's
+        states a head reads, ``[1, T, Z]``); returns its row arrays after it: a language
+        model's ``(logits [1, V],)``, a head's ``(hidden [1, E], context [1, E])`` (``rows``:
+        those before the piece)."""
+        if self._taps is None:
+            args = (self._d_state, *tokens, slots.drafter_row_cache)
+            program = self._program(_prefill_piece, args, {"graphdef": self._d_graphdef}, slots)
+            d_logits, slots.drafter_row_cache, _ = program(*args)
+            return (d_logits,)
+        args = (self._d_state, *tokens, slots.drafter_row_cache, rows[-1], states)
+        static = {"graphdef": self._d_graphdef}
+        program = self._program(_prefill_head_piece, args, static, slots)
+        hidden, slots.drafter_row_cache, context = program(*args)
+        return hidden, context
 
     def _decode(self, slots: _Slots):
         """One chunk of greedy steps of every slot: the recorded statistics and
@@ -517,7 +631,7 @@ class Certifier:
         options = self.options
         static = {"graphdef": self._graphdef, "d_graphdef": self._d_graphdef,
                   "rules": self.rules, "length": options.chunk, "top": options.top,
-                  "eos": self._eos, "steps": options.steps}  # fmt: skip
+                  "eos": self._eos, "steps": options.steps, "taps": self._taps}  # fmt: skip
         t0 = time.perf_counter()
         args = (self._state, slots.cache, slots.logits, slots.step, slots.active, self._d_state,
                 slots.drafter)  # fmt: skip
@@ -588,25 +702,34 @@ def check_drafter(lm, drafter) -> None:
 
     Args:
       lm: the target, a ``models.LoadedModel``.
-      drafter: the drafter, a ``models.LoadedModel`` (or a module).
+      drafter: the drafter, a ``models.LoadedModel`` (or a module): a language model, or a
+        draft head (:class:`jaxcert.models.EagleHead`) of the target.
 
     Raises:
-      ValueError: the drafter is a draft head (it reads the target's hidden states, which
-        certify does not tap) or proposes tokens without a distribution (prompt lookup),
-        or its vocabulary or tokenizer differs from the target's.
+      ValueError: a draft head built for another target (vocabulary, width or blocks), a
+        drafter that proposes tokens without a distribution (prompt lookup) or is no
+        language model, or a language model whose vocabulary or tokenizer differs from the
+        target's.
     """
-    module = getattr(drafter, "model", drafter)
-    if reads_target(module):
-        raise ValueError(
-            "the drafter is a draft head, which reads the target's hidden states; certify "
-            "takes a language-model drafter (an asset name, a Hugging Face folder or a .gguf)"
-        )
+    module = _module(drafter)
+    if reads_target(module):  # a draft head reading the target's states
+        if not isinstance(module, eagle.EagleHead):
+            raise ValueError(
+                f"the draft head must be a jaxcert.models.EagleHead, got {type(module).__name__}"
+            )
+        eagle.check_head_fits(module, _module(lm).config)
+        return
     if getattr(module, "proposes_tokens", False) or not isinstance(module, models.Transformer):
         raise ValueError(
             f"the drafter must be a language model (a jaxcert.models.Transformer), got "
             f"{type(module).__name__}"
         )
     models.check_same_vocabulary(lm, drafter)
+
+
+def _module(model):
+    """The module of a ``models.LoadedModel``, or ``model`` itself."""
+    return getattr(model, "model", model)
 
 
 def _text(value) -> str | None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from jaxcert import models
 from jaxcert.base import prompts
@@ -189,12 +188,25 @@ def test_summary_counts_match_the_columns(runs, tmp_path):
 
 
 def test_drafters_that_cannot_be_certified_are_refused(pair):
-    from jaxcert.models import EagleHead
-
     target, prompt_set = pair["target"], [prompts.Prompt("0", "an otter")]
     other = tiny_models.random_model(tiny_models.tiny_config(vocab_size=44, hidden_size=32), seed=1)
     with pytest.raises(ValueError, match="target has 48 logit rows, the drafter 44"):
         certify.Certifier(target, prompt_set, RULES, drafter=other)
-    head = EagleHead.from_target(target.model, rngs=nnx.Rngs(0), taps=(0, 1))
-    with pytest.raises(ValueError, match="the drafter is a draft head"):
-        certify.Certifier(target, prompt_set, RULES, drafter=head)
+
+
+def test_proposal_logits_set_the_proposals_and_leave_kl_and_tv():
+    p, q = _pairs(5, n=16)
+    shown = q.copy()
+    shown[:, 0] = -np.inf  # the drafter never proposes token 0 (outside its draft vocabulary)
+    got = drafter_lib.drafter_terms(q, p, RULES, proposal_logits=shown)
+    plain = drafter_lib.drafter_terms(q, p, RULES)
+    with np.errstate(divide="ignore", invalid="ignore"):  # its KL is inf: not compared
+        by_shown = drafter_reference(p, shown, RULES)
+    np.testing.assert_array_equal(got.kl, plain.kl)
+    np.testing.assert_array_equal(got.tv, plain.tv)
+    np.testing.assert_array_equal(got.certified, plain.certified)
+    np.testing.assert_array_equal(got.drafter_token, by_shown["drafter_token"])
+    np.testing.assert_array_equal(got.accepted, by_shown["accepted"])
+    assert (np.asarray(plain.drafter_token) == 0).any()  # not vacuous: some proposals moved
+    with pytest.raises(ValueError, match="proposal_logits must have the drafter's shape"):
+        drafter_lib.drafter_terms(q, p, RULES, proposal_logits=shown[:, :5])
