@@ -16,6 +16,7 @@ from jaxcert.cli._common import (
     add_mesh_argument,
     add_prompt_arguments,
     check_vocabularies,
+    load_drafter,
     load_model,
     load_prompt_set,
     rules_arg,
@@ -75,7 +76,8 @@ def add_parser(sub) -> None:
             "finished), then summary.md, summary.csv, "
             "run_lengths.csv, run.json and the plots certificate_cdf.png and "
             "certificate_vs_margin.png (unless --no-plots) to --out. With --drafter, a "
-            "language model reads the same tokens and every position also gets its KL(p||q) "
+            "language model or a draft head reads the same tokens and every position also "
+            "gets its KL(p||q) "
             "(nats), TV, and per rule whether it is certified (KL < C_p) and whether the "
             "rule accepts its proposal; the summary gives both fractions per rule, plus "
             "drafter.csv and the plot kl_vs_certificate.png.",
@@ -93,9 +95,12 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--drafter",
         default=None,
-        help="a language-model drafter to certify against the target, with its vocabulary: "
-        "an asset name, a Hugging Face checkpoint folder or a .gguf file (default: none). It "
-        "reads each prompt and the target's greedy continuation (teacher-forced)",
+        help="a drafter to certify against the target: a language model of its vocabulary "
+        "(an asset name, a Hugging Face checkpoint folder or a .gguf file) or a draft head "
+        "of the target (a jaxcert head folder, or an EAGLE-3 / speculators folder), as "
+        "jaxcert decode --drafter takes them (default: none). It reads each prompt and the "
+        "target's greedy continuation (teacher-forced); a head reads each token with the "
+        "target's states at the position before it, as the decoder drafts",
     )
     add_prompt_arguments(p)
     p.add_argument(
@@ -328,10 +333,12 @@ def _check_output(args, dist, tag) -> bool:
 
 
 def _check_drafter(args) -> None:
-    """Refuses a ``--drafter`` that is no language model of the target's vocabulary, from
-    the configs alone (before anything is written or loaded)."""
+    """Refuses a ``--drafter`` that is no language model of the target's vocabulary nor a
+    draft head of the target, from the configs alone (before anything is written or
+    loaded)."""
+    from jaxcert import models
     from jaxcert.decoding.ngram import parse_ngram
-    from jaxcert.models import eagle, eagle3
+    from jaxcert.models import eagle
 
     try:
         lookup = parse_ngram(str(args.drafter)) is not None
@@ -340,17 +347,20 @@ def _check_drafter(args) -> None:
     if lookup:
         raise ValueError(
             f"--drafter {args.drafter}: prompt lookup proposes tokens without a distribution "
-            "(no KL to certify); give a language model"
-        )
-    if eagle.is_head_folder(args.drafter) or eagle3.engine_format(args.drafter) is not None:
-        raise ValueError(
-            f"--drafter {args.drafter} is a draft head, which reads the target's hidden "
-            "states; certify takes a language model (an asset name, a folder or a .gguf)"
+            "(no KL to certify); give a language model or a draft head"
         )
     try:
         check_vocabularies(args.target, args.drafter)
     except ValueError as err:  # a mismatch is the drafter's fault; the rest names its option
         raise ValueError(str(err) if str(err).startswith("--") else f"--drafter: {err}") from None
+    # A jaxcert head records its target; an EAGLE-3 folder's head is checked when it is read
+    # against the loaded target (`load_drafter`).
+    if eagle.is_head_folder(args.drafter):
+        try:
+            recorded = eagle.read_head_config(args.drafter)
+            eagle.check_head_target(recorded, models.read_config(args.target))
+        except ValueError as err:
+            raise ValueError(f"--drafter: {err}") from None
 
 
 def _load(args, mesh, tag):
@@ -365,8 +375,8 @@ def _load(args, mesh, tag):
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
     lm = load_model("--target", args.target, dtype=dtype, mesh=mesh)  # each weight onto its shards
     drafter = None
-    if args.drafter is not None:
-        drafter = load_model("--drafter", args.drafter, dtype=dtype, mesh=mesh)
+    if args.drafter is not None:  # a language model, or a head (in its own dtype)
+        drafter = load_drafter(args.drafter, lm, dtype=dtype, mesh=mesh)
         try:
             engine.check_drafter(lm, drafter)  # the tokenizers too, now that they are loaded
         except ValueError as err:

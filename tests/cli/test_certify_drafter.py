@@ -9,11 +9,16 @@ import json
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from flax import nnx
 
 from jaxcert import cli, models
 from jaxcert.base import prompts
 from jaxcert.core import rules as R
+from jaxcert.decoding.protocols import context_before
+from jaxcert.models import EagleHead
+from jaxcert.models.eagle import load_head, save_head
 from jaxcert.pipeline import report
+from jaxcert.training.eagle import target_states
 from tests.helpers import tiny_lm
 from tests.helpers.drafter_reference import drafter_reference, teacher_forced_logits
 
@@ -149,6 +154,57 @@ def test_certify_with_a_drafter_on_a_2x2_mesh_matches_one_device(files, drafted,
         np.testing.assert_array_equal(mesh[name].to_numpy()[apart], one[name].to_numpy()[apart])
 
 
+@pytest.fixture(scope="module")
+def headed(files):
+    out = files["root"] / "headed"
+    assert _certify(files, out, "--drafter", str(_head(files))) == 0
+    return out
+
+
+def test_certify_with_a_head_gives_its_teacher_forced_columns(files, headed):
+    """The head read each token with the target's states at the position before it: its
+    pass over the whole text (``jaxcert.training.eagle``'s) gives the same columns, ``q``
+    over the full vocabulary with the shared out-of-vocabulary logit."""
+    table = pq.read_table(headed / "positions.parquet").sort_by(
+        [("prompt_index", "ascending"), ("position", "ascending")]
+    )
+    meta = json.loads((headed / "run.json").read_text())
+    assert meta["drafter"] == str(_head(files)) and (headed / "drafter.csv").is_file()
+    target, head = models.load(str(files["target"])).model, load_head(_head(files))
+    prompt_set = [prompts.Prompt(f"p{i}", t) for i, t in enumerate(tiny_lm.TEXTS)]
+    encoded = prompts.encode_prompts(models.load(str(files["target"])).tokenizer, prompt_set)
+    tokens = table.column("token").to_numpy().reshape(len(encoded), STEPS)
+    p, q = [], []
+    for ids, generated in zip(encoded, tokens, strict=True):
+        full, span = ids + generated.tolist(), slice(len(ids) - 1, len(ids) - 1 + STEPS)
+        ts = target_states(target, np.asarray([full]), np.asarray([len(full)]), head.taps)
+        context = context_before(head, ts.states)
+        logits, _ = head(ts.tokens, head.init_cache(1, len(full)), context=context)
+        p.append(np.asarray(ts.logits[0])[span])
+        q.append(np.asarray(logits[0])[span])
+    ref = drafter_reference(np.concatenate(p), np.concatenate(q), RULES)
+    np.testing.assert_allclose(table.column("kl").to_numpy(), ref["kl"], rtol=5e-4, atol=1e-5)
+    np.testing.assert_allclose(table.column("tv").to_numpy(), ref["tv"], rtol=5e-4, atol=1e-5)
+    np.testing.assert_array_equal(table.column("drafter_token"), ref["drafter_token"])
+    for j, rule in enumerate(RULES):
+        accepted = table.column(report.accepted_column(rule)).to_numpy()
+        np.testing.assert_array_equal(accepted, ref["accepted"][:, j], err_msg=rule.spec)
+        certified = table.column(report.certified_column(rule)).to_numpy()
+        apart = np.abs(ref["kl"] - ref["cert"][:, j]) > 1e-3 * (1 + ref["kl"])
+        np.testing.assert_array_equal(certified[apart], ref["certified"][apart, j])
+        assert not np.any(certified & ~accepted), rule.spec
+
+
+def test_resume_refuses_another_head(files, headed, capsys):
+    other = _head(files, "head2", seed=3)
+    assert _certify(files, headed, "--drafter", str(other), "--resume") == 2
+    err = capsys.readouterr().err
+    assert "was written with other options: drafter (then 'head', now 'head2')" in err
+    assert err.count("\n") == 1  # one line
+    assert _certify(files, headed, "--drafter", str(_head(files)), "--resume") == 0
+    assert "already complete" in capsys.readouterr().err  # the same head resumes
+
+
 def _bad_vocabulary(files):
     folder = files["root"] / "small"
     if not folder.exists():
@@ -158,16 +214,18 @@ def _bad_vocabulary(files):
     return folder
 
 
-def _head(files):
-    from flax import nnx
-
-    from jaxcert.models import EagleHead
-    from jaxcert.models.eagle import save_head
-
-    folder = files["root"] / "head"
+def _head(files, name="head", seed=0, layers=None):
+    """A saved draft head of the target (``layers``: of another target with that many)."""
+    folder = files["root"] / name
     if not folder.exists():
-        target = models.load(str(files["target"]))
-        save_head(EagleHead.from_target(target.model, rngs=nnx.Rngs(0), taps=(0, 1)), folder)
+        target = files["target"]
+        if layers is not None:
+            target = tiny_lm.save_tiny_checkpoint(files["root"] / f"target{layers}", layers=layers)
+        model = models.load(str(target)).model
+        head = EagleHead.from_target(
+            model, rngs=nnx.Rngs(seed), taps=(0, 1), draft_vocab=np.arange(0, 48, 2)
+        )
+        save_head(head, folder)
     return folder
 
 
@@ -178,9 +236,10 @@ def _head(files):
          "drafter 44"),
         (lambda files: "/nonexistent/drafter", "--drafter: cannot load '/nonexistent/drafter'"),
         (lambda files: "ngram:3", "--drafter ngram:3: prompt lookup proposes tokens"),
-        (_head, "is a draft head, which reads the target's hidden states"),
+        (lambda files: _head(files, "deeper-head", layers=3), "--drafter: the draft head was "
+         "built for another target: num_layers 3 (head) vs 2 (target)"),
     ],
-    ids=["vocabulary", "missing", "prompt-lookup", "head"],
+    ids=["vocabulary", "missing", "prompt-lookup", "head-of-another-target"],
 )  # fmt: skip
 def test_bad_drafters_are_one_line_errors_before_anything_is_written(
     files, drafter, message, capsys
