@@ -20,6 +20,7 @@ __all__ = [
     "check_options",
     "differing_options",
     "new_folder",
+    "read_manifest",
     "refuse_other_options",
 ]
 
@@ -250,3 +251,34 @@ def check_options(
         return
     folder.mkdir(parents=True, exist_ok=True)
     atomic_write(path, json.dumps(now, indent=1) + "\n")
+
+
+def read_manifest(
+    folder: str | os.PathLike, *, version: int, keys: tuple[str, ...], what: str
+) -> dict:
+    """The ``manifest.json`` of a streamed folder (a record store, a drafter's states): a
+    JSON object of ``version`` holding ``keys``.
+
+    Args:
+      folder: the folder.
+      version: the format version the reader knows.
+      keys: the fields the reader needs.
+      what: what the folder holds, for the error (``"head-record store"``).
+
+    Raises:
+      FileNotFoundError: no ``manifest.json`` there.
+      ValueError: a manifest that is no JSON object, lacks one of ``keys`` (each named
+        with the file, in one line), or is of another version.
+    """
+    path = pathlib.Path(folder) / "manifest.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{folder}: no {what} (manifest.json) there")
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{path} is damaged ({err}); move the folder away") from None
+    if not isinstance(record, dict) or any(k not in record for k in keys):
+        raise ValueError(f"{path} is damaged (it lacks {', '.join(keys)}); move the folder away")
+    if record.get("version") != version:
+        raise ValueError(f"{path}: version {record.get('version')}, expected {version}")
+    return record

@@ -34,7 +34,13 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxcert.base.folders import atomic_file, atomic_write, check_options, refuse_other_options
+from jaxcert.base.folders import (
+    atomic_file,
+    atomic_write,
+    check_options,
+    read_manifest,
+    refuse_other_options,
+)
 from jaxcert.base.validate import check_int
 from jaxcert.training import head_data
 
@@ -213,19 +219,13 @@ def read_drafter_states(folder: str | os.PathLike) -> DrafterStates:
 
     Raises:
       FileNotFoundError: no ``manifest.json`` there.
-      ValueError: a manifest of another version.
+      ValueError: a damaged manifest or one of another version.
     """
     folder = pathlib.Path(folder)
-    path = _states_manifest(folder)
-    if not path.is_file():
-        raise FileNotFoundError(f"{folder}: no drafter states (manifest.json) there")
-    try:
-        record = json.loads(path.read_text())
-        if record.get("version") != STATES_VERSION:
-            raise ValueError(f"version {record.get('version')}, expected {STATES_VERSION}")
-        return DrafterStates(folder, record["drafter"], record["blocks"], tuple(record["shards"]))
-    except (ValueError, KeyError, TypeError, AttributeError) as err:
-        raise ValueError(f"{path} is damaged ({err}); move the folder away") from None
+    record = read_manifest(
+        folder, version=STATES_VERSION, keys=("drafter", "blocks", "shards"), what="drafter states"
+    )
+    return DrafterStates(folder, record["drafter"], record["blocks"], tuple(record["shards"]))
 
 
 @jax.jit(static_argnames=("graphdef", "blocks"))

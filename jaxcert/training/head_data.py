@@ -53,7 +53,7 @@ import numpy as np
 from flax import nnx
 
 from jaxcert.base import prompts
-from jaxcert.base.folders import atomic_file, atomic_write, refuse_other_options
+from jaxcert.base.folders import atomic_file, atomic_write, read_manifest, refuse_other_options
 from jaxcert.base.validate import check_int
 from jaxcert.core import rules as rules_lib
 from jaxcert.core import solver
@@ -457,20 +457,13 @@ def read_store(folder: str | os.PathLike) -> Store:
 
     Raises:
       FileNotFoundError: no ``manifest.json`` there.
-      ValueError: a manifest of another version.
+      ValueError: a damaged manifest or one of another version.
     """
     folder = pathlib.Path(folder)
-    path = _manifest_path(folder)
-    if not path.is_file():
-        raise FileNotFoundError(f"{folder}: no head-record store (manifest.json) there")
-    try:
-        record = json.loads(path.read_text())
-        version = record.get("version")
-        spec, shards = record["spec"], tuple(record["shards"])
-    except (ValueError, KeyError, TypeError, AttributeError) as err:
-        raise ValueError(f"{path} is damaged ({err}); move the store away") from None
-    if version != STORE_VERSION:
-        raise ValueError(f"{path}: store version {version}, expected {STORE_VERSION}")
+    record = read_manifest(
+        folder, version=STORE_VERSION, keys=("spec", "shards"), what="head-record store"
+    )
+    spec, shards = record["spec"], tuple(record["shards"])
     return Store(folder, StoreSpec.from_json(spec), shards)
 
 

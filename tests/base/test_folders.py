@@ -103,3 +103,23 @@ def test_keep_on_error_keeps_what_was_written_elsewhere(tmp_path):
         with folders.atomic_file(path, keep_on_error=kept):
             raise RuntimeError
     assert not kept.exists() and _leftovers(tmp_path) == []
+
+
+def test_read_manifest_names_a_damaged_or_foreign_file_in_one_line(tmp_path):
+    from jaxcert.base.folders import read_manifest
+
+    kw = dict(version=1, keys=("spec", "shards"), what="head-record store")
+    with pytest.raises(FileNotFoundError, match="no head-record store"):
+        read_manifest(tmp_path, **kw)
+    path = tmp_path / "manifest.json"
+    path.write_text('{"version": 1, "spec": {}, "shards": []}')
+    assert read_manifest(tmp_path, **kw)["shards"] == []
+    for text, message in [
+        ("not json", "is damaged"),
+        ('{"version": 1}', "it lacks spec, shards"),
+        ("[1, 2]", "it lacks spec, shards"),
+        ('{"version": 2, "spec": {}, "shards": []}', "version 2, expected 1"),
+    ]:
+        path.write_text(text)
+        with pytest.raises(ValueError, match=message):
+            read_manifest(tmp_path, **kw)
