@@ -35,8 +35,9 @@ held-out evaluation, decoding, the table).
 
 A drafter model fine-tuned toward its target (``jaxcert finetune-drafter``,
 ``docs/training.md``, "Fine-tuning a drafter at the boundary"):
-:mod:`~jaxcert.training.finetune` (the drafter's frozen-bottom states, the objectives on the
-target's window, resumable data-parallel training of the top blocks, held-out evaluation)
+:mod:`~jaxcert.training.drafter_states` (the drafter's frozen-bottom states, streamed),
+:mod:`~jaxcert.training.finetune` (the objectives on the target's window, resumable
+data-parallel training of the top blocks, held-out evaluation)
 and :mod:`~jaxcert.training.finetune_recipe` (the steps: records, states, the sweep, runs per
 objective and seed, decoder figures, the tables).
 """

@@ -1,19 +1,34 @@
 """Fine-tuning a language-model drafter toward its target: the top blocks, at the boundary.
 
-A drafter model ``q`` (e.g. the 0.5B for the 1.5B) is already close to its target: most of
-its positions are certified (``KL(p||q) < C_p``). That is where the certificate losses can
-act (``docs/training.md``, "Fine-tuning a drafter at the boundary"). This module trains the
-drafter's top ``N`` blocks and its final norm, the rest frozen, on the target's records:
+A drafter model ``q`` (e.g. the 0.5B for the 1.5B) is already close to its target: about
+half of its positions are certified (``KL(p||q) < C_p``). That is where the certificate
+losses can act (``docs/training.md``, "Fine-tuning a drafter at the boundary"). This module
+trains the drafter's top ``N`` blocks and its final norm, the rest frozen, on the target's
+records (a head-record store written with ``states=False``,
+:mod:`jaxcert.training.head_data`: per position the target's top-``K`` log-probabilities and
+ids, and the exact certificates of its rules) and the drafter's states after its first ``s``
+blocks (:mod:`jaxcert.training.drafter_states`).
 
-==================  =========================================================  =====================
-name           loss per position                                          full vocabulary
-=============  =========================================================  =====================
-``kl``         ``KL``                                                     ``kl_divergence``
-``kl+greedy``  ``KL + relu(KL - C_p^greedy + margin)``                    ``certificate_violation``
-``kl+tree4``   ``KL + relu(KL - C_p^tree:4 + margin)``                    ``certificate_violation``
-``kl+tv``      ``KL + TV`` (the expected rejection at T = 1)              ``rejection_rate``
-``kl+miss``    ``KL + sigmoid((KL - C_p^greedy + margin) / temperature)``  ``certificate_miss``
-=============  =========================================================  =====================
+A step runs the drafter's blocks ``s .. L-1`` on the stored states of ``b`` sequences (the
+first ``L - N - s`` of them frozen), its final norm and lm_head at the trained positions
+only (gathered, so padding and prompt positions cost no lm_head), and the objective on the
+target's window (:func:`window_terms`). The batch is split over a ``"data"`` mesh axis
+(rows and their gathered positions stay on their device; the parameters are replicated),
+and a run resumes from its last checkpoint, drawing the same batches.
+
+Objectives (:data:`OBJECTIVES`, per position on the window; ``m`` the margin):
+
+=============  =====================================================  =========================
+name           loss per position                                      full vocabulary
+=============  =====================================================  =========================
+``kl``         ``KL``                                                 ``kl_divergence``
+``kl+greedy``  ``KL + relu(KL - C_p^greedy + m)``                     ``certificate_violation``
+``kl+tree4``   ``KL + relu(KL - C_p^tree:4 + m)``                     ``certificate_violation``
+``kl+tv``      ``KL + TV`` (the expected rejection at T = 1)          ``rejection_rate``
+``kl+miss``    ``KL + sigmoid((KL - C_p^greedy + m) / temperature)``  ``certificate_miss``
+=============  =====================================================  =========================
+
+(the full-vocabulary forms are :mod:`jaxcert.losses`').
 """
 
 from __future__ import annotations
@@ -35,14 +50,12 @@ import optax
 from flax import nnx
 
 from jaxcert.base.folders import (
-    atomic_file,
     atomic_write,
     check_options,
-    read_manifest,
-    refuse_other_options,
 )
 from jaxcert.base.validate import check_int
 from jaxcert.training import head_data
+from jaxcert.training.drafter_states import DrafterStates
 
 if TYPE_CHECKING:
     from jax.sharding import Mesh
@@ -51,20 +64,15 @@ if TYPE_CHECKING:
 
 __all__ = [
     "OBJECTIVES",
-    "DrafterStates",
     "FinetuneObjective",
     "FinetuneSettings",
     "evaluate_drafter",
     "finetune_drafter",
     "merged_drafter",
-    "read_drafter_states",
     "run_key",
     "trainable_filter",
     "window_terms",
-    "write_drafter_states",
 ]
-
-STATES_VERSION = 1
 
 
 # --------------------------------------------------------------------------- objectives
@@ -174,143 +182,12 @@ def window_terms(
     return kl, tv, jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
-# --------------------------------------------------------------------------- drafter states
-
-
-@dataclasses.dataclass(frozen=True)
-class DrafterStates:
-    """The drafter's frozen-bottom states of a record store (its manifest).
-
-    Attributes:
-      folder: where the shards are.
-      drafter: a name for the drafter (asset name or path).
-      blocks: ``s``, the frozen blocks the states come after.
-      shards: per record shard: ``file`` and the record shard's ``digest``.
-    """
-
-    folder: pathlib.Path
-    drafter: str
-    blocks: int
-    shards: tuple[dict, ...]
-
-    def load(self) -> np.ndarray:
-        """``[N, T, E]`` float32, every shard in order."""
-        from safetensors.numpy import load_file
-
-        if not self.shards:
-            raise ValueError(f"{self.folder}: no drafter states written yet")
-        return np.concatenate([load_file(self.folder / s["file"])["states"] for s in self.shards])
-
-
 def _holds(path: pathlib.Path, record: dict) -> bool:
     """Whether ``path`` is a JSON file holding ``record`` (then it is not rewritten)."""
     try:
         return bool(json.loads(path.read_text()) == record)
     except (OSError, ValueError):
         return False
-
-
-def _states_manifest(folder: pathlib.Path) -> pathlib.Path:
-    return folder / "manifest.json"
-
-
-def read_drafter_states(folder: str | os.PathLike) -> DrafterStates:
-    """The drafter states in ``folder``.
-
-    Raises:
-      FileNotFoundError: no ``manifest.json`` there.
-      ValueError: a damaged manifest or one of another version.
-    """
-    folder = pathlib.Path(folder)
-    record = read_manifest(
-        folder, version=STATES_VERSION, keys=("drafter", "blocks", "shards"), what="drafter states"
-    )
-    return DrafterStates(folder, record["drafter"], record["blocks"], tuple(record["shards"]))
-
-
-@jax.jit(static_argnames=("graphdef", "blocks"))
-def _bottom(graphdef, params, tokens, *, blocks):
-    model = nnx.merge(graphdef, params)
-    cache = model.init_cache(tokens.shape[0], tokens.shape[1])
-    _, _, states = model.tapped_features(tokens, cache, (blocks - 1,))
-    return states.astype(jnp.float32)
-
-
-def write_drafter_states(
-    drafter: Transformer,
-    store: head_data.Store,
-    folder: str | os.PathLike,
-    *,
-    blocks: int,
-    name: str,
-    progress: Callable[[int, int], None] | None = None,
-) -> DrafterStates:
-    """Writes (or resumes) the drafter's residual stream after its first ``blocks`` blocks
-    at every position of ``store``'s sequences, one shard per record shard.
-
-    Each shard is written under a temporary name and renamed, and the manifest rewritten
-    after it; a rerun skips the shards whose record shard is unchanged (same digest), so a
-    store grown since is extended.
-
-    Args:
-      drafter: the drafter model (its vocabulary holds the store's tokens).
-      store: the target's record store.
-      folder: the states' folder (created if missing).
-      blocks: ``s`` in ``[1, L)``: the blocks below the fine-tuned ones.
-      name: the drafter's name (asset or path), recorded and checked on resume.
-      progress: called as ``progress(shards_done, shards)`` after each shard.
-
-    Returns:
-      The manifest.
-
-    Raises:
-      ValueError: ``blocks`` outside ``[1, L)``; a folder written for another drafter or
-        ``blocks``, or from other record shards; a token outside the drafter's vocabulary.
-    """
-    from safetensors.numpy import load_file, save_file
-
-    check_int("blocks", blocks)
-    layers = drafter.config.num_layers
-    if not 1 <= blocks < layers:
-        raise ValueError(f"blocks must be in [1, {layers}) (the drafter's blocks), got {blocks}")
-    folder = pathlib.Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    done: list[dict] = []
-    if _states_manifest(folder).is_file():
-        old = read_drafter_states(folder)
-        refuse_other_options(
-            folder,
-            {"drafter": old.drafter, "blocks": old.blocks},
-            {"drafter": name, "blocks": blocks},
-            advice="use another folder",
-        )
-        for mine, theirs in zip(old.shards, store.shards, strict=False):
-            if mine["digest"] != theirs["digest"]:
-                raise ValueError(f"{folder}: written from other record shards than {store.folder}")
-            done.append(mine)
-    graphdef, params = nnx.split(drafter)
-    vocab = drafter.config.vocab_size
-
-    def manifest() -> None:
-        record = {"version": STATES_VERSION, "drafter": name, "blocks": blocks, "shards": done}
-        atomic_write(_states_manifest(folder), json.dumps(record, indent=1))
-
-    if not _states_manifest(folder).is_file():
-        manifest()
-    for i in range(len(done), len(store.shards)):
-        shard = store.shards[i]
-        tokens = load_file(store.folder / shard["file"])["tokens"]
-        if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab):
-            raise ValueError(f"record shard {i}: a token outside the drafter's vocabulary")
-        states = np.asarray(_bottom(graphdef, params, jnp.asarray(tokens), blocks=blocks))
-        out = f"states-{i:05d}.safetensors"
-        with atomic_file(folder / out) as tmp:
-            save_file({"states": np.ascontiguousarray(states)}, tmp)
-        done.append({"file": out, "digest": shard["digest"]})
-        manifest()
-        if progress is not None:
-            progress(i + 1, len(store.shards))
-    return read_drafter_states(folder)
 
 
 # --------------------------------------------------------------------------- the model
@@ -642,7 +519,8 @@ def finetune_drafter(
       records: the target's records (:meth:`head_data.Store.load`) of the training
         sequences.
       states: ``[N, T, E]`` float32, the drafter's residual stream after its first
-        ``first`` blocks at the same sequences (:meth:`DrafterStates.load`).
+        ``first`` blocks at the same sequences
+        (:meth:`jaxcert.training.drafter_states.DrafterStates.load`).
       objective: the loss (its rule among ``rule_names``).
       rule_names: the store's rule specs, in the order of ``records.certificate``.
       first: ``s``, the blocks the states come after (``s <= L - N``).

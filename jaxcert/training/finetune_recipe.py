@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from jaxcert.base.folders import atomic_write
-from jaxcert.training import finetune, head_data
+from jaxcert.training import drafter_states, finetune, head_data
 from jaxcert.training.head_recipe import bootstrap_mean
 
 if TYPE_CHECKING:
@@ -172,7 +172,7 @@ def write_states(
     out: pathlib.Path,
     *,
     log: Log = lambda message: None,
-) -> tuple[finetune.DrafterStates, finetune.DrafterStates]:
+) -> tuple[drafter_states.DrafterStates, drafter_states.DrafterStates]:
     """The drafter's states after ``settings.states_after`` blocks on both stores
     (``out / 'drafter-states'``, ``out / 'heldout-drafter-states'``); both resume."""
 
@@ -180,7 +180,7 @@ def write_states(
         if done % 50 == 0 or done == total:
             log(f"drafter states: {done} / {total} shards")
 
-    held = finetune.write_drafter_states(
+    held = drafter_states.write_drafter_states(
         drafter,
         heldout,
         out / "heldout-drafter-states",
@@ -188,7 +188,7 @@ def write_states(
         name=name,
         progress=progress,
     )
-    states = finetune.write_drafter_states(
+    states = drafter_states.write_drafter_states(
         drafter,
         store,
         out / "drafter-states",
@@ -205,7 +205,7 @@ class Data:
 
     store: head_data.Store
     heldout: head_data.Store
-    states_manifest: finetune.DrafterStates
+    states_manifest: drafter_states.DrafterStates
     records: head_data.HeadRecords
     states: np.ndarray
     held: head_data.HeadRecords
@@ -218,8 +218,8 @@ class Data:
         cls,
         store: head_data.Store,
         heldout: head_data.Store,
-        states: finetune.DrafterStates,
-        held_states: finetune.DrafterStates,
+        states: drafter_states.DrafterStates,
+        held_states: drafter_states.DrafterStates,
     ) -> Data:
         """Reads the four folders (``[N, T, E]`` float32 states: ~0.9 MB a sequence for
         the 0.5B at ``T = 256``).

@@ -13,7 +13,7 @@ from jax.test_util import check_grads
 
 from jaxcert import losses
 from jaxcert.core import rules as R
-from jaxcert.training import finetune, head_data
+from jaxcert.training import drafter_states, finetune, head_data
 from tests.helpers import multidevice
 from tests.helpers.tiny_models import random_model, tiny_config
 
@@ -46,7 +46,9 @@ def stores(pair, tmp_path_factory):
         target="tiny", taps=(), length=20, top_k=V, batch_size=2, states=False
     )
     store = head_data.write_store(target, _sequences(), root / "store", spec)
-    states = finetune.write_drafter_states(drafter, store, root / "states", blocks=2, name="d")
+    states = drafter_states.write_drafter_states(
+        drafter, store, root / "states", blocks=2, name="d"
+    )
     return store, states
 
 
@@ -156,22 +158,24 @@ def test_stored_states_and_the_top_blocks_are_the_drafters_forward(pair, stores)
 def test_drafter_states_resume_and_refuse(pair, stores, tmp_path):
     target, drafter = pair
     store, states = stores
-    again = finetune.write_drafter_states(drafter, store, states.folder, blocks=2, name="d")
+    again = drafter_states.write_drafter_states(drafter, store, states.folder, blocks=2, name="d")
     assert again.shards == states.shards  # nothing rewritten
     with pytest.raises(ValueError, match="other options: blocks"):
-        finetune.write_drafter_states(drafter, store, states.folder, blocks=1, name="d")
+        drafter_states.write_drafter_states(drafter, store, states.folder, blocks=1, name="d")
     with pytest.raises(ValueError, match=r"blocks must be in \[1, 4\)"):
-        finetune.write_drafter_states(drafter, store, tmp_path / "x", blocks=4, name="d")
+        drafter_states.write_drafter_states(drafter, store, tmp_path / "x", blocks=4, name="d")
     # a store that grew: only the new shard is computed
     bigger = head_data.write_store(target, _sequences(8), tmp_path / "s", store.spec)
-    first = finetune.write_drafter_states(
+    first = drafter_states.write_drafter_states(
         drafter,
         head_data.Store(bigger.folder, bigger.spec, bigger.shards[:2]),
         tmp_path / "st",
         blocks=2,
         name="d",
     )
-    grown = finetune.write_drafter_states(drafter, bigger, tmp_path / "st", blocks=2, name="d")
+    grown = drafter_states.write_drafter_states(
+        drafter, bigger, tmp_path / "st", blocks=2, name="d"
+    )
     assert len(first.shards) == 2 and len(grown.shards) == 4
     np.testing.assert_array_equal(grown.load()[:4], first.load())
 
@@ -331,12 +335,12 @@ def test_data_parallel_training_equals_one_device(pair, stores, tmp_path):
         f"""
         import numpy as np
         from jax.sharding import Mesh
-        from jaxcert.training import finetune, head_data
+        from jaxcert.training import drafter_states, finetune, head_data
         from tests.helpers.tiny_models import random_model, tiny_config
         config = tiny_config(vocab_size={V}, num_layers={L}, max_position_embeddings=64)
         drafter = random_model(config, seed=7)
         store = head_data.read_store("{store.folder}")
-        states = finetune.read_drafter_states("{states.folder}")
+        states = drafter_states.read_drafter_states("{states.folder}")
         mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
         settings = finetune.FinetuneSettings(trained_blocks=1, steps=3, batch_size=4,
                                              learning_rate=3e-3)
