@@ -33,7 +33,7 @@ from jaxcert.core import rules as rules_lib
 from jaxcert.decoding.protocols import context_before, shifted_right
 from jaxcert.models import EagleHead, Transformer
 from jaxcert.models.eagle import TRAINABLE, target_features
-from jaxcert.training.head_data import HeadRecords
+from jaxcert.training.head_data import HeadRecords, batch_rows
 from jaxcert.training.train import Objective
 
 __all__ = [
@@ -368,15 +368,6 @@ def window_loss(
     return total / weights, terms[0]
 
 
-def _batch_rows(n: int, batch_size: int, seed: int, step: int) -> np.ndarray:
-    """Rows of step ``step``: epoch ``e`` walks a permutation drawn from ``(seed, e)``, so a
-    resumed run draws the same batches."""
-    per_epoch = max(n // batch_size, 1)
-    epoch, i = divmod(step, per_epoch)
-    perm = np.random.default_rng([seed, epoch]).permutation(n)
-    return np.sort(perm[i * batch_size : (i + 1) * batch_size])
-
-
 def train_head_on_records(
     head: EagleHead,
     records: HeadRecords,
@@ -479,7 +470,7 @@ def train_head_on_records(
     n = records.tokens.shape[0]
     size = min(batch_size, n)
     for i in range(start, steps):
-        batch = records.batch(_batch_rows(n, size, seed, i))
+        batch = records.batch(batch_rows(n, size, seed, i))
         t0 = time.perf_counter()
         loss, kl, violation, tv = (float(x) for x in step(head, optimizer, batch))
         entry = dict(loss=loss, kl=kl, violation=violation, tv=tv)

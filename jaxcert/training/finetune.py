@@ -259,14 +259,6 @@ class FinetuneSettings:
             raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
 
 
-def _batch_rows(n: int, batch_size: int, seed: int, step: int) -> np.ndarray:
-    """Rows of step ``step``: epoch ``e`` walks a permutation drawn from ``(seed, e)``."""
-    per_epoch = max(n // batch_size, 1)
-    epoch, i = divmod(step, per_epoch)
-    perm = np.random.default_rng([seed, epoch]).permutation(n)
-    return np.sort(perm[i * batch_size : (i + 1) * batch_size])
-
-
 def _gather_plan(mask: np.ndarray, devices: int, width: int) -> tuple[np.ndarray, np.ndarray]:
     """``(index [d, width], weight [d, width])``: each device's trained positions as flat
     indices into its own rows (``[rows / d * T]``), padded with index 0, weight 0."""
@@ -302,14 +294,18 @@ def _pick(x: np.ndarray, rows: np.ndarray, index: np.ndarray, devices: int) -> n
     return np.take_along_axis(local, index.reshape(*index.shape, *([1] * (x.ndim - 2))), axis=1)
 
 
+def _gathered_logits(model, states, index, first):
+    """The drafter's float32 logits ``[d, width, V]`` at the gathered positions ``index``
+    (``[d, width]``, flat into each device's rows) of the stored states ``[d, r, T, E]``."""
+    hidden = _top_hidden(model, states.reshape(-1, *states.shape[2:]), first)  # [d*r, T, E]
+    hidden = hidden.reshape(index.shape[0], -1, hidden.shape[-1])  # [d, r*T, E]
+    picked = jnp.take_along_axis(hidden, index[..., None], axis=1)  # [d, w, E]
+    return model.project(picked).astype(jnp.float32)
+
+
 def _model_terms(model, states, index, top_ids, top_logp, first):
     """Window terms at the gathered positions: ``kl``, ``tv``, ``argmax`` ``[d, width]``."""
-    d, w = index.shape
-    hidden = _top_hidden(model, states.reshape(-1, *states.shape[2:]), first)  # [d*r, T, E]
-    hidden = hidden.reshape(d, -1, hidden.shape[-1])  # [d, r*T, E]
-    picked = jnp.take_along_axis(hidden, index[..., None], axis=1)  # [d, w, E]
-    logits = model.project(picked).astype(jnp.float32)
-    return window_terms(logits, top_ids, top_logp)
+    return window_terms(_gathered_logits(model, states, index, first), top_ids, top_logp)
 
 
 def _loss(trainable, frozen, graphdef, batch, objective, rule_index, first):
@@ -570,7 +566,7 @@ def finetune_drafter(
     size = min(settings.batch_size, n) // devices * devices
     if size == 0:
         raise ValueError(f"{n} sequences cannot fill a batch over {devices} data devices")
-    plan = [_batch_rows(n, size, seed, i) for i in range(settings.steps)]
+    plan = [head_data.batch_rows(n, size, seed, i) for i in range(settings.steps)]
     width = _gather_width(records.mask, plan, devices)
 
     graphdef, trainable, frozen = _split(drafter, n_trained)
@@ -643,11 +639,8 @@ def _eval_terms(graphdef, params, frozen, batch, *, first):
     from jaxcert.core import numerics
 
     model = nnx.merge(graphdef, params, frozen)
-    index, states = batch["index"], batch["states"]
-    hidden = _top_hidden(model, states.reshape(-1, *states.shape[2:]), first)
-    hidden = hidden.reshape(index.shape[0], -1, hidden.shape[-1])
-    logits = model.project(jnp.take_along_axis(hidden, index[..., None], axis=1))
-    kl, tv, _ = window_terms(logits.astype(jnp.float32), batch["top_ids"], batch["top_logp"])
+    logits = _gathered_logits(model, batch["states"], batch["index"], first)
+    kl, tv, _ = window_terms(logits, batch["top_ids"], batch["top_logp"])
     _, top4 = numerics.top_k(logits, 4)  # ties to the lower id, as argmax
     return kl, tv, top4[..., 0], jnp.any(top4 == batch["top_ids"][..., :1], axis=-1)
 

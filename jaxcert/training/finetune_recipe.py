@@ -32,7 +32,7 @@ import numpy as np
 
 from jaxcert.base.folders import atomic_write
 from jaxcert.training import drafter_states, finetune, head_data
-from jaxcert.training.head_recipe import bootstrap_mean
+from jaxcert.training.head_recipe import bootstrap_mean, interval
 
 if TYPE_CHECKING:
     from flax import nnx
@@ -600,13 +600,6 @@ def summarize(
     return summary
 
 
-def _cell(v: Sequence[float], signed: bool = False) -> str:
-    m, lo, hi = v
-    f = "{:+.4f}" if signed else "{:.4f}"
-    star = "*" if signed and (lo > 0 or hi < 0) else ""
-    return f"{f.format(m)} [{f.format(lo)}, {f.format(hi)}]{star}"
-
-
 def results_table(summary: Mapping[str, Any], metrics: Sequence[str], against: str) -> str:
     """Markdown: one row per objective, ``mean [low, high]`` of each of ``metrics``, and the
     paired difference from ``against`` (``"kl"`` or ``"untrained"``; ``*``: the interval
@@ -618,10 +611,10 @@ def results_table(summary: Mapping[str, Any], metrics: Sequence[str], against: s
         row = {"drafter": name, "seeds": ",".join(map(str, e["seeds"])) or "-"}
         for k in metrics:
             if k in e:
-                row[k] = _cell(e[k])
+                row[k] = interval(e[k], 4)
         for k in metrics:
             d = e.get(f"vs_{against}:{k}")
-            row[f"Δ {k}"] = _cell(d, signed=True) if d is not None else "-"
+            row[f"Δ {k}"] = interval(d, 4, signed=True) if d is not None else "-"
         rows.append(row)
     return markdown_table(rows)
 

@@ -64,6 +64,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "HeadRecords",
+    "batch_rows",
     "Store",
     "StoreSpec",
     "TrainingSequence",
@@ -195,6 +196,16 @@ class Store:
         if not self.shards:
             raise ValueError(f"{self.folder}: the store has no complete shard yet")
         return HeadRecords(**{k: np.concatenate(v) for k, v in parts.items()})
+
+
+def batch_rows(n: int, batch_size: int, seed: int, step: int) -> np.ndarray:
+    """The sorted rows (of ``n`` stored sequences) of training step ``step``: epoch ``e``
+    walks a permutation drawn from ``(seed, e)``, so the batch of a step depends only on the
+    seed and the step, and a resumed run draws the same batches."""
+    per_epoch = max(n // batch_size, 1)
+    epoch, i = divmod(step, per_epoch)
+    perm = np.random.default_rng([seed, epoch]).permutation(n)
+    return np.sort(perm[i * batch_size : (i + 1) * batch_size])
 
 
 def reply_sequences(

@@ -49,6 +49,7 @@ __all__ = [
     "evaluate_heads",
     "heads_table",
     "head_objectives",
+    "interval",
     "sequences",
     "split_sequences",
     "train_one",
@@ -397,7 +398,7 @@ def _pool_seeds(runs: Sequence[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     return {k: np.mean([r[k] for r in runs], axis=0) for k in runs[0]}
 
 
-def _interval(v: Sequence[float], digits: int, *, signed: bool = False) -> str:
+def interval(v: Sequence[float], digits: int, *, signed: bool = False) -> str:
     """``mean [low, high]``; ``signed`` (a paired difference) adds signs and a ``*`` when
     the interval excludes 0."""
     fmt = f"{{:{'+' if signed else ''}.{digits}f}}"
@@ -492,7 +493,7 @@ def heads_table(result: dict) -> str:
     from jaxcert.base.tables import markdown_table
 
     def diff(entry: dict | None, k: str) -> str:
-        return "-" if entry is None else _interval(entry[k], 3, signed=True)
+        return "-" if entry is None else interval(entry[k], 3, signed=True)
 
     rows = []
     for store_name, store in result["stores"].items():
@@ -500,7 +501,7 @@ def heads_table(result: dict) -> str:
             entry = store["diff"].get(name)
             rows.append(
                 {"held-out": f"{store_name} ({store['sequences']} seq.)", "head": name}
-                | {k: _interval(v, 3) for k, v in metrics.items()}
+                | {k: interval(v, 3) for k, v in metrics.items()}
                 | {"Δ kl": diff(entry, "kl"), "Δ agreement": diff(entry, "agreement")}
             )
     return markdown_table(rows)
@@ -713,11 +714,11 @@ def results_table(summary: dict) -> str:
     def diff(entry: dict, k: str) -> str:
         if f"diff:{k}" not in entry:
             return "—"
-        return _interval(entry[f"diff:{k}"], 4, signed=True)
+        return interval(entry[f"diff:{k}"], 4, signed=True)
 
     rows = [
         {"objective": name, "seeds": ",".join(map(str, e["seeds"]))}
-        | {k: _interval(e[k], 4) for k in metrics}
+        | {k: interval(e[k], 4) for k in metrics}
         | {f"Δ {k}": diff(e, k) for k in diffs if k in e}
         for name, e in objectives.items()
     ]
