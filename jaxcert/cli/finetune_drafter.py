@@ -103,7 +103,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         metavar="N1,N2,..",
         help="first a short sweep of --trained-blocks (kl, seed 0, --sweep-steps steps each; "
-        "held-out figures and seconds a step), then stop",
+        "the KL change on batches not yet trained on, held-out figures and seconds a step), "
+        "then stop",
     )
     p.add_argument(
         "--sweep-steps", type=positive, default=20, help="steps of each sweep run (default 20)"
@@ -295,8 +296,8 @@ def run(args: argparse.Namespace) -> int:
 
         table = markdown_table(rows)
         (out / "sweep.md").write_text(table + "\n")
-        atomic = json.dumps({"command": " ".join(sys.argv), "rows": rows}, indent=1)
-        (out / "sweep.json").write_text(atomic + "\n")
+        record = json.dumps({"command": " ".join(sys.argv), "rows": rows}, indent=1)
+        (out / "sweep.json").write_text(record + "\n")
         print(table)
         return 0
     log(f"{len(objectives)} objectives x {len(seeds)} seeds, {steps} steps of "
