@@ -183,7 +183,8 @@ def _excess(
         t = jax.lax.stop_gradient(t)
     kl = _kl(t, d, axis_name)
     c = _certificate_value(t, rule, top_k, axis_name)
-    excess = kl - c + margin  # -inf where rejection is impossible
+    # -inf where rejection is impossible (C_p = +inf), whatever KL (+inf - +inf is no excess)
+    excess = jnp.where(c == jnp.inf, -jnp.inf, kl - c + margin)
     return excess, kl, c, mask
 
 
@@ -321,12 +322,10 @@ def certificate_miss(
       ValueError: ``temperature <= 0``, or as :func:`certificate_violation`.
     """
     temperature = _positive("temperature", temperature)
-    excess, _, c, mask = _excess(
+    excess, _, _, mask = _excess(
         drafter_logits, target_logits, rule, margin, where, differentiate_target, top_k, axis_name
     )
-    possible = c != jnp.inf  # C_p = +inf: rejection impossible, whatever q
-    miss = jax.nn.sigmoid(jnp.where(possible, excess, 0.0) / temperature)
-    return _finish(jnp.where(possible, miss, 0.0), mask)
+    return _finish(jax.nn.sigmoid(excess / temperature), mask)
 
 
 def rejection_rate(

@@ -315,6 +315,9 @@ def test_certificate_miss_edges():
     assert float(losses.certificate_value(t[1:], R.Additive(1.0))[0]) == np.inf
     got = losses.certificate_miss(d[1:], t[1:], R.Additive(1.0))
     assert float(got[0]) == 0.0
+    # the same for the hinge and its smooth form (KL = +inf there: no NaN from inf - inf)
+    for loss in (losses.certificate_violation, losses.certificate_violation_softplus):
+        assert float(loss(d[1:], t[1:], R.Additive(1.0))[0]) == 0.0
     with pytest.raises(ValueError, match="temperature"):
         losses.certificate_miss(d, t, R.StrictGreedy(), temperature=0.0)
 
