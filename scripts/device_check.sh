@@ -16,7 +16,12 @@
 #      target-only, the 0.5B drafter and an EAGLE-3 head decoding at batch 1 and 8
 #      (bench_decode_device.py: tokens/s measured, speedups projected at the CPU benchmark's
 #      tokens per round); and the decoder's n-gram and goodput tests (tiny models) on the GPU.
-# Arguments: the sections to run (certify, tests, sharding, decode); none: all of them.
+#   5. certificates (under 8 minutes on one GPU): all 8 rules together and greedy alone on
+#      [4096, 151936] bfloat16 and float32, the two-pass row summary beside the separate
+#      reductions it replaced (--baseline), the losses' value_and_grad, each against one
+#      read of the logits at the device's measured copy bandwidth; then the solver's tests.
+# Arguments: the sections to run (certify, tests, sharding, decode, certificates); none: the
+# first four.
 # WHEELS: a folder of wheels to install first (e.g. gguf, which such a machine lacks).
 set -uo pipefail
 OUT=${OUT:-/tmp/jaxcert-device}
@@ -84,4 +89,15 @@ python3 scripts/bench_decode_device.py --dtype bfloat16 --batch-sizes 1,8 \
 echo "== decoder tests on the GPU (n-gram drafting, goodput)"
 gpu_pytest 300 tests/decoding/test_ngram.py tests/decoding/test_goodput.py | tail -8 \
   | tee "$OUT/tests_decode_gpu.txt"
+fi
+if want certificates; then
+for dtype in bfloat16 float32; do
+  echo "== certificates, [4096, 151936] $dtype: two passes vs separate reductions, losses"
+  timeout 200 python3 scripts/bench_certify.py --batch 4096 --dtype "$dtype" --repeats 10 \
+    --numpy-rows 1 --each greedy --baseline --losses --measure-bandwidth \
+    --json "$OUT/certificates_$dtype.json" 2>&1 | tee "$OUT/certificates_$dtype.txt"
+done
+echo "== solver tests on the GPU"
+gpu_pytest 150 tests/core/test_row_summary.py tests/core/test_certificate.py \
+  tests/core/test_losses.py | tail -8 | tee "$OUT/tests_certificates_gpu.txt"
 fi

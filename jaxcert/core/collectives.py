@@ -146,18 +146,19 @@ def row_summary(x, k: int, need_entropy: bool, axis_name: AxisName):
       ``(x_max, total, entropy, top_values, top_ids)``: ``[B]``, ``[B]``, ``[B]`` or ``None``,
       ``[B, k]`` decreasing, ``[B, k]`` int32 global ids (ties to the lower id).
     """
-    if axis_name is None or x.shape[-1] * axis_size(axis_name) >= 2**24:
+    if axis_name is not None and x.shape[-1] * axis_size(axis_name) >= 2**24:
         x_max, total = normalizer(x, axis_name)
         ent = entropy(x, x_max, total, axis_name) if need_entropy else None
         values, ids = top_k(x, k, axis_name)
         return x_max, total, ent, values, ids
     local = x.shape[-1]
-    m = jnp.max(x, axis=-1)
-    empty = ~(m > -jnp.inf)  # all -inf (or NaN): contributes nothing, or poisons via m
-    safe_m = jnp.where(empty, 0.0, m)
-    s_local = jnp.sum(jnp.exp(x - safe_m[..., None]), axis=-1)
-    w_local = numerics.entropy_sum(x, safe_m) if need_entropy else jnp.zeros_like(m)
-    values, ids = numerics.top_k(x, min(k, local))
+    # Two passes over this row or shard (numerics.row_summary).
+    m, s_local, w_local, values, ids = numerics.row_summary(x, min(k, local), need_entropy)
+    if axis_name is None:
+        ent = jnp.log(s_local) - w_local / s_local if need_entropy else None
+        return m, s_local, ent, values, ids
+    if w_local is None:
+        w_local = jnp.zeros_like(m)
     ids = ids + shard_offset(local, axis_name)
     packed = jnp.concatenate(
         [m[..., None], s_local[..., None], w_local[..., None], values, ids.astype(x.dtype)], -1

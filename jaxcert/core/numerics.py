@@ -99,6 +99,39 @@ _GROUP = 64  # tokens per group of the grouped top-k
 _GROUPED_MIN_VOCAB = 8192  # below this a plain top_k is cheap whatever XLA does with it
 
 
+def _groups(x):
+    """``(grouped, size)``: ``x: [..., V]`` as ``[..., G, size]`` groups of 8-64 tokens (the
+    widest size dividing ``V``, else 64 with ``-inf`` padding at the end), or ``None`` when a
+    row is too narrow for groups to pay (``V < 8192``)."""
+    v = x.shape[-1]
+    if v < _GROUPED_MIN_VOCAB:
+        return None, 0
+    # The widest group of 8-64 tokens that divides V (no padding copy), else 64 and pad.
+    size = next((g for g in (_GROUP, _GROUP // 2, _GROUP // 4, _GROUP // 8) if v % g == 0), _GROUP)
+    groups = -(-v // size)
+    if groups * size != v:  # pad with -inf: never chosen before a real token (higher ids)
+        pad = [(0, 0)] * (x.ndim - 1) + [(0, groups * size - v)]
+        x = jnp.pad(x, pad, constant_values=-jnp.inf)
+    return x.reshape(*x.shape[:-1], groups, size), size
+
+
+def _top_k_of_groups(grouped, group_max, k: int):
+    """The exact top-``k`` of ``grouped: [..., G, size]`` given its group maxima ``[..., G]``.
+
+    The ``k`` groups with the largest maxima contain the top-``k`` tokens (each group ranked
+    above the group of a top-``k`` token holds a token ranked above it, so there are fewer
+    than ``k`` such groups); only those ``k * size`` candidates are read again and ranked.
+    """
+    lead, size = grouped.shape[:-2], grouped.shape[-1]
+    probe = group_max[(0,) * group_max.ndim]  # one probe for both fusions (unfused)
+    _, best = _unfused_top_k(group_max, k, probe)  # [..., k] group ids
+    best = jnp.sort(best, axis=-1).astype(jnp.int32)  # candidates in id order: ties to lower
+    candidates = jnp.take_along_axis(grouped, best[..., None], axis=-2)  # [..., k, size]
+    values, pos = _unfused_top_k(candidates.reshape(*lead, k * size), k, probe)
+    group = jnp.take_along_axis(best, pos // size, axis=-1)
+    return values, group * size + pos % size
+
+
 def top_k(x, k: int):
     """Exact ``lax.top_k`` over the last axis, fast on CPU, sharding-transparent.
 
@@ -108,11 +141,8 @@ def top_k(x, k: int):
     slower at V = 151,936), and on GPU a wide ``top_k`` is slow too. An optimisation
     barrier prevented the former, but XLA's SPMD partitioner aborts on barriers under
     sharding; instead, for wide rows this takes the top-``k`` in two exact stages with
-    nothing to sort but short rows: the ``k`` groups of 8-64 tokens with the largest
-    maxima contain the top-``k`` tokens (each group ranked above the group of a top-``k``
-    token holds a token ranked above it, so there are fewer than ``k`` such groups), then
-    a ``top_k`` of those candidates. Narrow rows
-    use ``lax.top_k`` directly.
+    nothing to sort but short rows: the maxima of groups of 8-64 tokens, then a ``top_k``
+    of the tokens of the ``k`` best groups. Narrow rows use ``lax.top_k`` directly.
 
     Args:
       x: ``[..., V]`` floating.
@@ -121,23 +151,57 @@ def top_k(x, k: int):
     Returns:
       ``(values, indices)``: ``[..., k]``, decreasing, and their int32 indices.
     """
-    v = x.shape[-1]
-    # The widest group of 8-64 tokens that divides V (no padding copy), else 64 and pad.
-    size = next((g for g in (_GROUP, _GROUP // 2, _GROUP // 4, _GROUP // 8) if v % g == 0), _GROUP)
-    groups = -(-v // size)
-    if v < _GROUPED_MIN_VOCAB or k >= groups:
+    grouped, _ = _groups(x)
+    if grouped is None or k >= grouped.shape[-2]:
         return _unfused_top_k(x, k)
-    lead = x.shape[:-1]
-    if groups * size != v:  # pad with -inf: never chosen before a real token (higher ids)
-        pad = [(0, 0)] * (x.ndim - 1) + [(0, groups * size - v)]
-        x = jnp.pad(x, pad, constant_values=-jnp.inf)
-    grouped = x.reshape(*lead, groups, size)
-    _, best = _unfused_top_k(jnp.max(grouped, axis=-1), k)  # [..., k] group ids
-    best = jnp.sort(best, axis=-1).astype(jnp.int32)  # candidates in id order: ties to lower
-    candidates = jnp.take_along_axis(grouped, best[..., None], axis=-2)  # [..., k, G]
-    values, pos = _unfused_top_k(candidates.reshape(*lead, k * size), k)
-    group = jnp.take_along_axis(best, pos // size, axis=-1)
-    return values, group * size + pos % size
+    return _top_k_of_groups(grouped, jnp.max(grouped, axis=-1), k)
+
+
+def row_summary(x, k: int, need_entropy: bool):
+    """Max, normaliser, entropy sum and top-``k`` of each row in two passes over ``x``.
+
+    Pass 1 takes the maxima of groups of 8-64 tokens (which also select the top-``k``
+    window, :func:`top_k`); pass 2 sums ``exp(x - group max)`` per group, and the groups
+    are combined at the row's maximum, the window's first value:
+    ``S = sum_g exp(max_g - max) S_g``. No pass waits for the row's maximum, so nothing reads
+    the row a third time (a row maximum folded from the group maxima would be re-read by
+    XLA's simplifier as a reduction of its own). The entropy sum
+    ``W = sum exp(x - max) (x - max) = sum_g exp(max_g - max) (W_g + (max_g - max) S_g)``
+    is a reduction of its own on CPU (XLA there fuses no sibling reductions), one more pass
+    only when asked for. Rows narrower than 8192 use the plain reductions.
+
+    Args:
+      x: ``[..., V]`` floating (the compute dtype).
+      k: ``1 <= k <= V``.
+      need_entropy: also return ``W``.
+
+    Returns:
+      ``(x_max, total, weighted, values, ids)``: ``[...]`` max (NaN, ``+inf`` and all
+      ``-inf`` rows give a non-finite max or ``total``), ``[...]`` ``S``, ``[...]`` ``W`` or
+      ``None``, ``[..., k]`` the top-``k`` logits (decreasing) and their int32 ids.
+    """
+    grouped, _ = _groups(x)
+    if grouped is None or k >= grouped.shape[-2]:
+        x_max = jnp.max(x, axis=-1)
+        base = jnp.where(x_max == -jnp.inf, 0.0, x_max)  # an all -inf row sums to 0, not NaN
+        total = jnp.sum(jnp.exp(x - base[..., None]), axis=-1)
+        weighted = entropy_sum(x, base) if need_entropy else None
+        return (x_max, total, weighted, *_unfused_top_k(x, k))
+    group_max = jnp.max(grouped, axis=-1)  # pass 1
+    values, ids = _top_k_of_groups(grouped, group_max, k)
+    # A group of -inf sums to NaN here (-inf - -inf) and is dropped when the groups are
+    # combined; a NaN group stays (it must poison S).
+    group_sum = jnp.sum(jnp.exp(grouped - group_max[..., None]), axis=-1)  # pass 2
+    x_max = values[..., 0]
+    real = group_max != -jnp.inf
+    gap = jnp.where(real, group_max - x_max[..., None], 0.0)
+    total = jnp.sum(jnp.where(real, jnp.exp(gap) * group_sum, 0.0), axis=-1)
+    weighted = None
+    if need_entropy:
+        group_w = entropy_sum(grouped, group_max, group_max[(0,) * group_max.ndim])
+        terms = jnp.exp(gap) * (group_w + gap * group_sum)
+        weighted = jnp.sum(jnp.where(real, terms, 0.0), axis=-1)
+    return x_max, total, weighted, values, ids
 
 
 def unfused(fn, probe):
@@ -155,8 +219,9 @@ def unfused(fn, probe):
     return lax.cond(jnp.isnan(probe), fn, fn)
 
 
-def _unfused_top_k(x, k: int):
-    """``lax.top_k`` with int32 indices, in a fusion of its own on CPU (:func:`unfused`)."""
+def _unfused_top_k(x, k: int, probe=None):
+    """``lax.top_k`` with int32 indices, in a fusion of its own on CPU (:func:`unfused`;
+    ``probe`` a scalar computed anyway, else ``x``'s first entry)."""
 
     def run():
         # -0.0 and +0.0 are one value: lax.top_k orders +0.0 first, while argmax and the
@@ -166,7 +231,7 @@ def _unfused_top_k(x, k: int):
         values, indices = lax.top_k(canonical, k)
         return values, indices.astype(jnp.int32)
 
-    return unfused(run, x[(0,) * x.ndim])
+    return unfused(run, x[(0,) * x.ndim] if probe is None else probe)
 
 
 def entropy(x, x_max, total):
@@ -178,11 +243,12 @@ def entropy(x, x_max, total):
     return jnp.log(total) - entropy_sum(x, x_max) / total
 
 
-def entropy_sum(x, x_max):
-    """``sum(e s)`` over the last axis, ``s = x - max``, ``e = exp(s)`` (its own fusion)."""
+def entropy_sum(x, x_max, probe=None):
+    """``sum(e s)`` over the last axis, ``s = x - max``, ``e = exp(s)`` (its own fusion;
+    ``probe`` as for :func:`unfused`, else ``x_max``'s first entry)."""
 
     def run():
         shifted = jnp.maximum(x - x_max[..., None], -1e4)  # exp(-1e4) = 0: no 0 * -inf
         return jnp.sum(jnp.exp(shifted) * shifted, axis=-1)
 
-    return unfused(run, x_max[(0,) * x_max.ndim])
+    return unfused(run, x_max[(0,) * x_max.ndim] if probe is None else probe)

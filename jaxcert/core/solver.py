@@ -13,7 +13,10 @@ function ``g(c) = sum_U (p - c)_+ - sum_T (c - p)_+`` at every breakpoint, and t
 value is evaluated as ``sum_P c h(p_i / c)`` from logit differences (``expm1``), which
 is stable for near-tied pools (``docs/certificates.md`` §8).
 
-Speed: only the top ``W`` logits are sorted (``lax.top_k``). When ``U`` or ``T*``
+Speed: every rule of a call shares one row summary (maximum, normaliser, entropy, the top
+``W`` logits), read in two passes over the logits (``numerics.row_summary``;
+``docs/certificates.md`` §8, "Reading the logits"); only the top ``W`` logits are sorted.
+When ``U`` or ``T*``
 could reach past them (``|U| + m > W``, possible for the threshold rules), those rows
 take an exact path over the full vocabulary: a full-row count and a masked top-``m``
 for ``T*``, and, only if more than ``W`` tokens of ``U`` are pooled, a full sort. The
@@ -177,8 +180,16 @@ def _solve_window(prep: _Prepared, rule, window: int, vocab: int):
             prep.log_p_max[:, None],
             None if prep.entropy is None else prep.entropy[:, None],
         )
-        upper = jnp.sum(member, axis=-1, dtype=jnp.int32)
-        exact = (upper + m <= window) | (window == vocab)
+        # Membership grows with the logit: a rule that accepts a -inf logit accepts every
+        # token (additive with t >= p(x0)), and no row of it needs the exact path.
+        everything = rules_lib.in_upper_set(
+            rule,
+            jnp.asarray(-jnp.inf, prep.top_x.dtype),
+            prep.log_p_max,
+            None if prep.entropy is None else prep.entropy,
+        )
+        upper = jnp.where(everything, vocab, jnp.sum(member, axis=-1, dtype=jnp.int32))
+        exact = (upper + m <= window) | (window == vocab) | everything
     impossible = upper > vocab - m
     comp_pos = jnp.minimum(upper[:, None] + jnp.arange(m), window - 1)
     comp_x = jnp.take_along_axis(prep.top_x, comp_pos, axis=-1)
@@ -243,9 +254,11 @@ def _select(flag, a: _Solution, b: _Solution) -> _Solution:
     return jax.tree.map(pick, a, b)
 
 
-def _solve(prep: _Prepared, rule, window: int, vocab: int, axis_name, rows: bool) -> _Solution:
+def _solve(
+    prep: _Prepared, rule, window: int, vocab: int, axis_name, rows: bool, fallback: bool = True
+) -> _Solution:
     sol, exact = _solve_window(prep, rule, window, vocab)
-    if rule.static_upper_size is not None or window == vocab:
+    if rule.static_upper_size is not None or window == vocab or not fallback:
         return sol
     need = ~exact & prep.valid
     entropy = prep.entropy if prep.entropy is not None else jnp.zeros_like(prep.log_p_max)
@@ -350,8 +363,12 @@ def _window_size(rules: Sequence, vocab: int, top_k: int) -> int:
     return max(1, min(vocab, max(need)))
 
 
-def _certificates_local(x, axis_name, *, rules, return_q, top_k, exact_rows):
-    """Certificates of ``x: [..., V_local]``, a whole row or one shard of the vocabulary."""
+def _certificates_local(x, axis_name, *, rules, return_q, top_k, exact_rows, fallback=True):
+    """Certificates of ``x: [..., V_local]``, a whole row or one shard of the vocabulary.
+
+    ``fallback=False`` leaves out the exact path of rows whose ``U`` or ``T*`` pass the
+    window (their values are then wrong): only to count what the common path reads
+    (:mod:`jaxcert.base.reads`), since XLA charges a conditional its dearest branch."""
     lead = x.shape[:-1]
     flat = jnp.reshape(x, (-1, x.shape[-1]))
     vocab = x.shape[-1] * collectives.axis_size(axis_name)
@@ -359,7 +376,9 @@ def _certificates_local(x, axis_name, *, rules, return_q, top_k, exact_rows):
     prep = _prepare(flat, window, any(r.needs_entropy for r in rules), axis_name)
     rows = jax.default_backend() == "cpu" if exact_rows is None else exact_rows
     outs = tuple(
-        _finish(prep, _solve(prep, r, window, vocab, axis_name, rows), return_q, axis_name)
+        _finish(
+            prep, _solve(prep, r, window, vocab, axis_name, rows, fallback), return_q, axis_name
+        )
         for r in rules
     )
 
