@@ -9,5 +9,6 @@ from jaxcert.
 ``prompts``        prompt sets, chat templates, padding token prompts into batches
 ``compile_cache``  JAX's persistent compilation cache under the cache folder
 ``tables``         markdown tables of dict rows (every printed report)
+``reads``          how many times a compiled program reads an input (XLA's cost analysis)
 =================  ==========================================================================
 """
