@@ -30,6 +30,9 @@ __all__ = ["Reads", "compiled_reads", "input_reads"]
 
 _SHAPE = re.compile(r"^(\w+)\[([\d,]*)\]")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\S+) (\S+?)\((.*)$")
+# Element-wise views of a fusion's parameter: inside a loop fusion they are computed only
+# for the elements a gather asks for (bfloat16 logits are converted before their gather).
+_ALIASES = ("bitcast", "convert", "reshape", "copy")
 
 
 class Reads(NamedTuple):
@@ -51,10 +54,9 @@ def _bytes(shape: str) -> int | None:
     if m is None:
         return None
     kind, dims = m.groups()
-    bits = {"pred": 8, "s8": 8, "u8": 8, "bf16": 16, "f16": 16, "s16": 16, "u16": 16}.get(kind)
-    if bits is None:
-        bits = int(re.sub(r"\D", "", kind) or 32)
-    return math.prod(int(d) for d in dims.split(",") if d) * bits // 8
+    width = re.match(r"[a-z]+?(\d+)", kind)  # f32, bf16, s8, f8e4m3fn, c64; pred: a byte
+    bits = int(width.group(1)) if width else 8
+    return -(-math.prod(int(d) for d in dims.split(",") if d) * bits // 8)
 
 
 def _computations(text: str) -> dict[str, list[str]]:
@@ -95,7 +97,7 @@ def _gather_overcharge(text: str, input_bytes: int) -> int:
                 operands = re.findall(r"%([\w.\-]+)", i.group(4).split("),")[0])
                 if not names.intersection(operands):
                     continue
-                if i.group(3) == "bitcast":
+                if i.group(3) in _ALIASES:
                     names.add(i.group(1))
                 elif i.group(3) == "gather" and operands[0] in names:
                     gathered += _bytes(i.group(2)) or input_bytes
@@ -134,10 +136,17 @@ def input_reads(fn, *args, of: int = 0) -> Reads:
       :class:`Reads` (floats, in units of the input's bytes).
 
     Raises:
-      ValueError: ``of`` names no argument, or the backend gives no cost analysis.
+      ValueError: ``of`` names no argument, that argument is no array or is empty, or the
+        backend gives no cost analysis.
     """
-    if not 0 <= of < len(args):
-        raise ValueError(f"of={of} names no argument (there are {len(args)})")
+    if isinstance(of, bool) or not isinstance(of, int) or not 0 <= of < len(args):
+        raise ValueError(f"of={of!r} names no argument (there are {len(args)})")
+    unit = args[of]
+    if not hasattr(unit, "shape") or not hasattr(unit, "dtype"):
+        raise ValueError(f"argument {of} is no array (a {type(unit).__name__}): reads are "
+                         "counted in units of an array's bytes")  # fmt: skip
+    size = math.prod(unit.shape) * jax.numpy.dtype(unit.dtype).itemsize
+    if size == 0:
+        raise ValueError(f"argument {of} is empty (shape {tuple(unit.shape)}): no unit of reads")
     compiled = jax.jit(fn).lower(*args).compile()
-    size = math.prod(args[of].shape) * jax.numpy.dtype(args[of].dtype).itemsize
     return compiled_reads(compiled, size)

@@ -189,18 +189,21 @@ def row_summary(x, k: int, need_entropy: bool):
         return (x_max, total, weighted, *_unfused_top_k(x, k))
     group_max = jnp.max(grouped, axis=-1)  # pass 1
     values, ids = _top_k_of_groups(grouped, group_max, k)
-    # A group of -inf sums to NaN here (-inf - -inf) and is dropped when the groups are
-    # combined; a NaN group stays (it must poison S).
-    group_sum = jnp.sum(jnp.exp(grouped - group_max[..., None]), axis=-1)  # pass 2
+    # No mask on the groups: XLA:CPU may give -inf as the maximum of a group whose last
+    # entry is NaN, so the NaN must reach S through the group's own sum. A group of -inf
+    # sums to 0 at base 0 and its scale exp(-inf) is 0; NaN anywhere poisons S.
+    base = jnp.where(group_max == -jnp.inf, 0.0, group_max)
+    group_sum = jnp.sum(jnp.exp(grouped - base[..., None]), axis=-1)  # pass 2
     x_max = values[..., 0]
-    real = group_max != -jnp.inf
-    gap = jnp.where(real, group_max - x_max[..., None], 0.0)
-    total = jnp.sum(jnp.where(real, jnp.exp(gap) * group_sum, 0.0), axis=-1)
+    gap = group_max - jnp.where(x_max == -jnp.inf, 0.0, x_max)[..., None]  # <= 0, or NaN
+    scale = jnp.exp(gap)
+    total = jnp.sum(scale * group_sum, axis=-1)  # an all -inf row: 0
     weighted = None
     if need_entropy:
-        group_w = entropy_sum(grouped, group_max, group_max[(0,) * group_max.ndim])
-        terms = jnp.exp(gap) * (group_w + gap * group_sum)
-        weighted = jnp.sum(jnp.where(real, terms, 0.0), axis=-1)
+        group_w = entropy_sum(grouped, base, group_max[(0,) * group_max.ndim])
+        # exp(-1e4) = 0: clamping the gap changes no term and keeps 0 * -inf out.
+        terms = scale * (group_w + jnp.maximum(gap, -1e4) * group_sum)
+        weighted = jnp.sum(terms, axis=-1)
     return x_max, total, weighted, values, ids
 
 

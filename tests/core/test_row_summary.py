@@ -12,6 +12,7 @@ import jaxcert
 from jaxcert.cli import DEFAULT_RULES
 from jaxcert.core import numerics, reference
 from jaxcert.core import rules as R
+from tests.helpers import multidevice
 
 
 def _adversarial_rows(rng, vocab: int) -> np.ndarray:
@@ -79,6 +80,48 @@ def test_row_summary_flags_rows_that_are_no_distribution():
     assert not (np.isfinite(x_max[1]) and np.isfinite(total[1]))
     assert x_max[2] == -np.inf and total[2] == 0.0 and weighted[2] == 0.0
     assert np.isfinite(total[3]) and total[3] >= 1.0
+
+
+@pytest.mark.parametrize(
+    "vocab, where",
+    [(8192, 63), (8192, 8191), (8193, 8192), (8288, 31), (8208, 15), (16_384, 127)],
+)
+def test_a_nan_at_the_end_of_a_group_makes_the_row_invalid(vocab, where):
+    """XLA:CPU gives -inf as the maximum of a group whose last entry is NaN (groups of 16,
+    32, 64; the padded group's one real token): the NaN must still reach the normaliser."""
+    x = np.zeros((2, vocab), np.float32)
+    x[0, where] = np.nan
+    cert = jaxcert.certificate(jnp.asarray(x), R.StrictGreedy())
+    assert cert.valid.tolist() == [False, True]
+    assert np.isnan(cert.value[0])
+    stats = jaxcert.distribution_stats(jnp.asarray(x), top=2)
+    assert np.isnan(stats.entropy[0]) and np.isfinite(stats.entropy[1])
+
+
+@pytest.mark.slow
+def test_a_nan_at_the_end_of_a_vocabulary_shard_makes_the_row_invalid():
+    out = multidevice.run(
+        """
+        import jaxcert
+        mesh = jax.make_mesh((2,), ("model",), axis_types=(AxisType.Explicit,))
+        x = np.zeros((3, 16384), np.float32)
+        x[0, 8191] = np.nan   # the last entry of the first shard (and of its last group)
+        x[1, 16383] = np.nan  # the last entry of the row
+        sharded = jax.device_put(jnp.asarray(x), NamedSharding(mesh, P(None, "model")))
+        cert = jaxcert.certificate(sharded, jaxcert.StrictGreedy())
+        print(json.dumps({"valid": np.asarray(cert.valid).tolist()}))
+        """,
+        devices=2,
+    )
+    assert out["valid"] == [False, False, True]
+
+
+def test_extreme_finite_logits_have_a_finite_entropy():
+    x = np.full((1, 8192), -2e38, np.float32)
+    x[0, -1] = 2e38  # the gap to the row's maximum overflows to -inf
+    _, total, weighted, _, _ = jax.jit(lambda a: numerics.row_summary(a, 64, True))(jnp.asarray(x))
+    assert total[0] == 1.0 and weighted[0] == 0.0
+    assert jaxcert.distribution_stats(jnp.asarray(x), top=1).entropy[0] == 0.0
 
 
 @pytest.mark.parametrize("vocab", [10_000, 151_936])

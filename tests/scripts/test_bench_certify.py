@@ -26,6 +26,9 @@ def test_bench_certify_reports_floor_ratios_and_reads(tmp_path):
     for row in result["rows"]:
         assert math.isclose(row["x_logsumexp"], row["ms"] / result["floor"]["ms"])
         assert row["old_reads"] > 0 and row["old_ms"] > 0
+    # The NumPy time of all rules together is every rule of --rules, not only --each's.
+    greedy, together = result["rows"]
+    assert together["numpy_ms"] > greedy["numpy_ms"]
     # The certificate adds to the KL loss's reads, never takes away.
     kl, violation = result["losses"]
     assert violation["reads"] > kl["reads"]
