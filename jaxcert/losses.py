@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 
 from jaxcert.base.validate import check_float, check_mask_shape, check_probability
 from jaxcert.core import collectives, numerics
@@ -67,20 +68,84 @@ def _masked(where, shape, *arrays):
     return mask, tuple(jnp.where(mask[..., None], a, jnp.zeros((), a.dtype)) for a in arrays)
 
 
-def _kl(target_logits, drafter_logits, axis_name=None):
-    log_p = collectives.log_softmax(target_logits, axis_name)
-    log_q = collectives.log_softmax(drafter_logits, axis_name)
-    p = jnp.exp(log_p)
-    positive = p > 0
-    safe_log_p = jnp.where(positive, log_p, 0.0)
-    safe_log_q = jnp.where(positive, log_q, 0.0)  # q may be 0 where p is 0
-    terms = jnp.where(positive, p * (safe_log_p - safe_log_q), 0.0)
-    kl = collectives.vocab_sum(terms, axis_name)
+def _normalizer(x, axis_name):
+    """``collectives.normalizer`` with its sum in a fusion of its own on CPU: XLA:CPU
+    otherwise writes ``x - max`` out, to share it with the later passes."""
+    x_max = collectives.vocab_max(x, axis_name)
+
+    def total():  # this shard's sum; the collective stays outside the conditional
+        return jnp.sum(jnp.exp(x - x_max[..., None]), axis=-1)
+
+    return x_max, _psum(numerics.unfused(total, _probe(x_max)), axis_name)
+
+
+def _probe(rows):
+    """A scalar of the rows for :func:`numerics.unfused`: a reduction, not a slice (slicing
+    an explicitly sharded array is refused), and a sum (XLA folds a maximum of row maxima
+    into one more pass over the logits)."""
+    return jnp.sum(rows)
+
+
+def _psum(x, axis_name):
+    return x if axis_name is None else lax.psum(x, axis_name)
+
+
+def _kl_value(t, d, axis_name):
+    """``KL(p || q)`` per row and a function giving ``(log_p, log_q, p)`` (for the
+    derivatives, which compute them where they are used): ``(kl, logs)``.
+
+    One normaliser per side (maximum, sum of ``exp``) and one pass over both for the sum;
+    ``log_p`` and ``log_q`` are relative to each row's maximum (offset-free).
+    """
+    t_max, t_sum = _normalizer(t, axis_name)
+    d_max, d_sum = _normalizer(d, axis_name)
+    t_log_sum, d_log_sum = jnp.log(t_sum)[..., None], jnp.log(d_sum)[..., None]
+
+    def logs():
+        log_p = (t - t_max[..., None]) - t_log_sum
+        return log_p, (d - d_max[..., None]) - d_log_sum, jnp.exp(log_p)
+
+    def total():  # from the logits, in one fusion on CPU (no array of logs written)
+        log_p, log_q, p = logs()
+        positive = p > 0
+        # q may be 0 where p is 0 (0 log 0 = 0); where p > 0 and q = 0 the KL is +inf.
+        terms = jnp.where(positive, p * (log_p - jnp.where(positive, log_q, 0.0)), 0.0)
+        return jnp.sum(terms, axis=-1)
+
+    kl = _psum(numerics.unfused(total, _probe(t_sum)), axis_name)
     # A row that is no distribution (NaN, +inf, or no finite logit: all -inf) has no KL;
     # without this an all -inf target gave 0 (every p = NaN fails `p > 0`).
-    ok = jnp.isfinite(collectives.vocab_max(lax.stop_gradient(target_logits), axis_name))
-    ok &= jnp.isfinite(collectives.vocab_max(lax.stop_gradient(drafter_logits), axis_name))
-    return jnp.where(ok, kl, jnp.nan)
+    ok = jnp.isfinite(t_max) & jnp.isfinite(d_max)
+    return jnp.where(ok, kl, jnp.nan), logs
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def _kl(target_logits, drafter_logits, axis_name=None):
+    return _kl_value(target_logits, drafter_logits, axis_name)[0]
+
+
+def _kl_jvp(axis_name, primals, tangents):
+    """The exact derivatives, each one pass: ``dKL/dd_j = q_j - p_j`` and
+    ``dKL/dt_j = p_j (log p_j - log q_j - KL)`` (0 where ``p_j = 0``, and on a row whose KL
+    is ``+inf``, where ``q - p`` is still the drafter's direction). Written out so that
+    reverse mode reads the logits a few times, not the ~21 array reads of differentiating
+    two ``log_softmax`` (``docs/benchmarks.md``, "The solver"); a side that is not
+    differentiated (``stop_gradient``, a constant) costs nothing."""
+    t, d = primals
+    dt, dd = tangents
+    kl, logs = _kl_value(t, d, axis_name)
+    log_p, log_q, p = logs()
+    tangent = jnp.zeros_like(kl)
+    if not isinstance(dd, SymbolicZero):
+        tangent = tangent + collectives.vocab_sum((jnp.exp(log_q) - p) * dd, axis_name)
+    if not isinstance(dt, SymbolicZero):
+        gap = log_p - log_q - kl[..., None]
+        gap = jnp.where((p > 0) & jnp.isfinite(gap), gap, 0.0)  # KL = +inf: no direction
+        tangent = tangent + collectives.vocab_sum(p * gap * dt, axis_name)
+    return kl, tangent
+
+
+_kl.defjvp(_kl_jvp, symbolic_zeros=True)
 
 
 def kl_divergence(
@@ -109,6 +174,12 @@ def kl_divergence(
       ``[...]`` float32 (float64 for float64 input); ``nan`` where a target or drafter row
       is no distribution (a NaN or ``+inf`` logit, or no finite logit), ``+inf`` where the
       drafter gives 0 to a token the target does not.
+
+    Derivatives are exact and written out, in forward and reverse mode and to any order:
+    ``q - p`` for the drafter's logits, ``p (log p - log q - KL)`` for the target's (0 on a
+    row whose KL is ``+inf``). ``value_and_grad`` reads the logits about 11 times in units
+    of one array, not the ~21 of differentiating two ``log_softmax``
+    (``docs/benchmarks.md``, "The solver").
 
     Raises:
       ValueError: non-floating inputs, mismatched shapes, or a ``where`` mask of another

@@ -73,6 +73,34 @@ def test_gradients_target_side(rule, x64):
     check_grads(f, (t,), order=1, modes=["rev"], eps=1e-6, atol=1e-6, rtol=1e-6)
 
 
+def test_kl_derivatives_are_exact_in_both_modes_and_to_second_order(x64):
+    """The KL's written-out derivatives (``q - p`` for the drafter, ``p (log p - log q -
+    KL)`` for the target) against NumPy, and forward, reverse and second order against
+    finite differences; a -inf logit on either side, where p or q is 0, included."""
+    d, t = _pair(3)
+    d = d.at[0, 2].set(-jnp.inf)  # q = 0 where p > 0: KL = +inf on row 0
+    t = t.at[1, 4].set(-jnp.inf).at[2, :3].set(-jnp.inf)  # p = 0 tokens
+    kl = losses.kl_divergence(d, t)
+    p = np.asarray(jax.nn.softmax(t))
+    q = np.asarray(jax.nn.softmax(d))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        terms = np.where(p > 0, p * (np.log(p) - np.log(q)), 0.0)
+    np.testing.assert_allclose(kl, terms.sum(-1), rtol=1e-12)
+    assert kl[0] == np.inf
+    grad_d, grad_t = jax.grad(lambda a, b: jnp.sum(losses.kl_divergence(a, b)[1:]), (0, 1))(d, t)
+    np.testing.assert_allclose(grad_d[1:], q[1:] - p[1:], atol=1e-14)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        gap = np.where(p > 0, np.log(p) - np.log(q) - terms.sum(-1, keepdims=True), 0.0)
+    np.testing.assert_allclose(grad_t[1:], (p * gap)[1:], atol=1e-14)
+    assert not grad_d[0].any() and not grad_t[0].any()  # row 0 was not in the sum
+    d2, t2 = _pair(4)
+    for f, x in [
+        (lambda a: jnp.sum(losses.kl_divergence(a, t2) ** 2), d2),
+        (lambda b: jnp.sum(losses.kl_divergence(d2, b) ** 2), t2),
+    ]:
+        check_grads(f, (x,), order=2, modes=["fwd", "rev"], eps=1e-6, atol=1e-6, rtol=1e-6)
+
+
 @pytest.mark.parametrize("rule", RULES, ids=IDS)
 def test_certificate_sensitivity_is_exact(rule, x64):
     _, t = _pair(3)
