@@ -9,6 +9,7 @@ command after an interruption).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import pathlib
 import sys
@@ -276,6 +277,8 @@ def run(args: argparse.Namespace) -> int:
         positions=args.positions, heldout=args.heldout_sequences, states_after=states_after
     )
     store, heldout = finetune_recipe.write_records(target, prompt_set, settings, out, log=log)
+    del target  # not needed again until the decoder runs: its ~6 GB back for training
+    gc.collect()
     states, held_states = finetune_recipe.write_states(
         drafter.model, args.drafter, store, heldout, settings, out, log=log
     )
@@ -319,6 +322,8 @@ def run(args: argparse.Namespace) -> int:
     decoded: dict = {}
     speed: dict = {}
     if args.decode_prompts:
+        log(f"loading the target {args.target} again (float32) for the decoder")
+        target = load_model("--target", args.target, dtype=jnp.float32)
         prompt_ids = decode_prompt_ids(target, args.decode_source, args.decode_prompts)
         decoded = finetune_recipe.decode_runs(
             target, models, prompt_ids, folders, tokens=args.decode_tokens, log=log
