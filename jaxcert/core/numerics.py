@@ -215,7 +215,8 @@ def unfused(fn, probe):
     and the entropy reduction fused with the normaliser's materialises ``exp(x - max)``. A
     conditional is a fusion boundary that XLA's SPMD partitioner handles (an optimisation
     barrier is not: it aborts): both branches are ``fn``; the predicate, ``isnan(probe)``
-    for a scalar ``probe``, only has to be data-dependent.
+    for a scalar ``probe``, only has to be data-dependent. Under ``jax.vmap`` with a
+    batched probe the conditional becomes a select and ``fn`` runs twice (same result).
     """
     if jax.default_backend() != "cpu":
         return fn()
