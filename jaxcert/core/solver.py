@@ -265,14 +265,18 @@ def _solve(
     args = (prep.x, prep.top_x, prep.log_p_max, entropy, rule, window, vocab, axis_name)
 
     if rows:
-        # CPU: row by row, so a batch pays only for its hard rows.
+        # CPU: only the hard rows, one at a time (a loop over their indices: the other rows
+        # are not even sliced out).
         def fix_rows():
-            def one(row_args):
-                flag, x, top_x, log_p_max, ent, row = row_args
-                exact = lambda: _solve_exact(x, top_x, log_p_max, ent, *args[4:])  # noqa: E731
-                return lax.cond(flag, exact, lambda: row)
+            hard = jnp.nonzero(need, size=need.shape[0], fill_value=0)[0]
 
-            return lax.map(one, (need, *args[:4], sol))
+            def one(i, acc: _Solution) -> _Solution:
+                r = hard[i]
+                row = _solve_exact(prep.x[r], prep.top_x[r], prep.log_p_max[r], entropy[r],
+                                   *args[4:])  # fmt: skip
+                return jax.tree.map(lambda a, v: a.at[r].set(v), acc, row)
+
+            return lax.fori_loop(0, jnp.sum(need, dtype=jnp.int32), one, sol)
 
     else:
         # Accelerators: every row at once (a sequential loop over rows would idle the device).
