@@ -20,8 +20,9 @@ When ``U`` or ``T*``
 could reach past them (``|U| + m > W``, possible for the threshold rules), those rows
 take an exact path over the full vocabulary: a full-row count and a masked top-``m``
 for ``T*``, and, only if more than ``W`` tokens of ``U`` are pooled, a full sort. The
-exact path runs row by row behind a ``lax.cond``, so a batch only pays for its hard
-rows (under a user's ``jax.vmap`` both branches run: still exact, slower).
+exact path runs behind a ``lax.cond``; on CPU in a loop over the hard rows alone, so a batch
+only pays for its hard rows (under a user's ``jax.vmap`` the condition becomes a select and
+both branches run: still exact, slower).
 """
 
 from __future__ import annotations
