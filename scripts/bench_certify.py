@@ -79,20 +79,10 @@ def timed(fn, *args, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _separate_reductions(x, k: int, need_entropy: bool):
-    """The row summary as separate reductions: maximum, normaliser, entropy sum, then the
-    grouped top-``k`` (its own pass of group maxima). The ``--baseline`` programs."""
-    x_max = jnp.max(x, axis=-1)
-    base = jnp.where(x_max == -jnp.inf, 0.0, x_max)
-    total = jnp.sum(jnp.exp(x - base[..., None]), axis=-1)
-    weighted = numerics.entropy_sum(x, base) if need_entropy else None
-    return (x_max, total, weighted, *numerics.top_k(x, k))
-
-
 @contextlib.contextmanager
 def separate_reductions():
     original = numerics.row_summary
-    numerics.row_summary = _separate_reductions
+    numerics.row_summary = numerics.separate_summary
     try:
         yield
     finally:

@@ -19,6 +19,7 @@ __all__ = [
     "check_new_folder",
     "check_options",
     "differing_options",
+    "manifest_path",
     "new_folder",
     "read_manifest",
     "refuse_other_options",
@@ -253,6 +254,11 @@ def check_options(
     atomic_write(path, json.dumps(now, indent=1) + "\n")
 
 
+def manifest_path(folder: str | os.PathLike) -> pathlib.Path:
+    """Where a streamed folder (a record store, a drafter's states) keeps its manifest."""
+    return pathlib.Path(folder) / "manifest.json"
+
+
 def read_manifest(
     folder: str | os.PathLike, *, version: int, keys: tuple[str, ...], what: str
 ) -> dict:
@@ -270,7 +276,7 @@ def read_manifest(
       ValueError: a manifest that is no JSON object, lacks one of ``keys`` (each named
         with the file, in one line), or is of another version.
     """
-    path = pathlib.Path(folder) / "manifest.json"
+    path = manifest_path(folder)
     if not path.is_file():
         raise FileNotFoundError(f"{folder}: no {what} (manifest.json) there")
     try:

@@ -182,11 +182,7 @@ def row_summary(x, k: int, need_entropy: bool):
     """
     grouped, _ = _groups(x)
     if grouped is None or k >= grouped.shape[-2]:
-        x_max = jnp.max(x, axis=-1)
-        base = jnp.where(x_max == -jnp.inf, 0.0, x_max)  # an all -inf row sums to 0, not NaN
-        total = jnp.sum(jnp.exp(x - base[..., None]), axis=-1)
-        weighted = entropy_sum(x, base) if need_entropy else None
-        return (x_max, total, weighted, *_unfused_top_k(x, k))
+        return separate_summary(x, k, need_entropy)
     group_max = jnp.max(grouped, axis=-1)  # pass 1
     values, ids = _top_k_of_groups(grouped, group_max, k)
     # No mask on the groups: XLA:CPU may give -inf as the maximum of a group whose last
@@ -205,6 +201,17 @@ def row_summary(x, k: int, need_entropy: bool):
         terms = scale * (group_w + jnp.maximum(gap, -1e4) * group_sum)
         weighted = jnp.sum(terms, axis=-1)
     return x_max, total, weighted, values, ids
+
+
+def separate_summary(x, k: int, need_entropy: bool):
+    """:func:`row_summary`'s outputs from separate reductions (maximum, normaliser, entropy
+    sum, then :func:`top_k` with its own group maxima): what narrow rows use, and the
+    baseline ``scripts/bench_certify.py --baseline`` times against the two passes."""
+    x_max = jnp.max(x, axis=-1)
+    base = jnp.where(x_max == -jnp.inf, 0.0, x_max)  # an all -inf row sums to 0, not NaN
+    total = jnp.sum(jnp.exp(x - base[..., None]), axis=-1)
+    weighted = entropy_sum(x, base) if need_entropy else None
+    return (x_max, total, weighted, *top_k(x, k))
 
 
 def unfused(fn, probe):

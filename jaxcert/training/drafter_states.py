@@ -33,7 +33,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxcert.base.folders import atomic_file, atomic_write, read_manifest, refuse_other_options
+from jaxcert.base.folders import (
+    atomic_file,
+    atomic_write,
+    manifest_path,
+    read_manifest,
+    refuse_other_options,
+)
 from jaxcert.base.validate import check_int
 from jaxcert.training import head_data
 
@@ -68,10 +74,6 @@ class DrafterStates:
         if not self.shards:
             raise ValueError(f"{self.folder}: no drafter states written yet")
         return np.concatenate([load_file(self.folder / s["file"])["states"] for s in self.shards])
-
-
-def _states_manifest(folder: pathlib.Path) -> pathlib.Path:
-    return folder / "manifest.json"
 
 
 def read_drafter_states(folder: str | os.PathLike) -> DrafterStates:
@@ -136,7 +138,7 @@ def write_drafter_states(
     folder = pathlib.Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     done: list[dict] = []
-    if _states_manifest(folder).is_file():
+    if manifest_path(folder).is_file():
         old = read_drafter_states(folder)
         refuse_other_options(
             folder,
@@ -153,9 +155,9 @@ def write_drafter_states(
 
     def manifest() -> None:
         record = {"version": STATES_VERSION, "drafter": name, "blocks": blocks, "shards": done}
-        atomic_write(_states_manifest(folder), json.dumps(record, indent=1))
+        atomic_write(manifest_path(folder), json.dumps(record, indent=1))
 
-    if not _states_manifest(folder).is_file():
+    if not manifest_path(folder).is_file():
         manifest()
     for i in range(len(done), len(store.shards)):
         shard = store.shards[i]

@@ -53,7 +53,13 @@ import numpy as np
 from flax import nnx
 
 from jaxcert.base import prompts
-from jaxcert.base.folders import atomic_file, atomic_write, read_manifest, refuse_other_options
+from jaxcert.base.folders import (
+    atomic_file,
+    atomic_write,
+    manifest_path,
+    read_manifest,
+    refuse_other_options,
+)
 from jaxcert.base.validate import check_int
 from jaxcert.core import rules as rules_lib
 from jaxcert.core import solver
@@ -459,10 +465,6 @@ def _digest(sequences: Sequence[TrainingSequence]) -> str:
     return h.hexdigest()[:16]
 
 
-def _manifest_path(folder: pathlib.Path) -> pathlib.Path:
-    return folder / "manifest.json"
-
-
 def read_store(folder: str | os.PathLike) -> Store:
     """The store in ``folder`` (its complete shards).
 
@@ -480,7 +482,7 @@ def read_store(folder: str | os.PathLike) -> Store:
 
 def _write_manifest(store: Store) -> None:
     record = {"version": STORE_VERSION, "spec": store.spec.to_json(), "shards": list(store.shards)}
-    atomic_write(_manifest_path(store.folder), json.dumps(record, indent=1))
+    atomic_write(manifest_path(store.folder), json.dumps(record, indent=1))
 
 
 @jax.jit(static_argnames=("graphdef", "taps", "top_k", "rules", "keep_states"))
@@ -537,7 +539,7 @@ def write_store(
 
     folder = pathlib.Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    if _manifest_path(folder).is_file():
+    if manifest_path(folder).is_file():
         store = read_store(folder)
         refuse_other_options(
             folder, store.spec.to_json(), spec.to_json(), advice="use another folder"

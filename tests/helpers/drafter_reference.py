@@ -8,6 +8,7 @@ from flax import nnx
 
 from jaxcert import models
 from jaxcert.core.reference import certificate_np
+from jaxcert.pipeline import report
 
 
 def drafter_reference(p_logits, q_logits, rules) -> dict[str, np.ndarray]:
@@ -41,3 +42,25 @@ def teacher_forced_logits(lm, ids) -> np.ndarray:
     cache = models.KVCache.create(lm.config, 1, len(ids) + 1)
     logits, _ = models.forward(graphdef, state, jnp.asarray([ids], jnp.int32), cache)
     return np.asarray(logits[0])
+
+
+def check_drafter_rows(rows, mine, ref, shown, rules, seen: dict) -> None:
+    """Asserts a certify run's drafter columns at the rows ``mine`` of ``rows`` (a table as
+    a dict of columns): ``kl`` and ``tv`` against ``ref``; ``drafter_token`` and every
+    rule's ``accepted_<rule>`` against ``shown`` (what the drafter proposes; ``ref`` for a
+    language model); ``certified_<rule>`` against ``ref`` wherever KL and ``C_p`` are apart
+    (not within rounding); never certified and rejected. Adds the certified and
+    uncertified counts to ``seen``."""
+    got = {k: np.asarray([rows[k][r] for r in mine]) for k in ("kl", "tv", "drafter_token")}
+    np.testing.assert_allclose(got["kl"], ref["kl"], rtol=5e-4, atol=1e-5)
+    np.testing.assert_allclose(got["tv"], ref["tv"], rtol=5e-4, atol=1e-5)
+    np.testing.assert_array_equal(got["drafter_token"], shown["drafter_token"])
+    for j, rule in enumerate(rules):
+        certified = np.asarray([rows[report.certified_column(rule)][r] for r in mine])
+        accepted = np.asarray([rows[report.accepted_column(rule)][r] for r in mine])
+        np.testing.assert_array_equal(accepted, shown["accepted"][:, j], err_msg=rule.spec)
+        apart = np.abs(ref["kl"] - ref["cert"][:, j]) > 1e-3 * (1 + ref["kl"])
+        np.testing.assert_array_equal(certified[apart], ref["certified"][apart, j])
+        assert not np.any(certified & ~accepted), rule.spec
+        seen["certified"] += int(certified.sum())
+        seen["uncertified"] += int((~certified).sum())

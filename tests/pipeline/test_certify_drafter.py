@@ -15,7 +15,11 @@ from jaxcert.pipeline import drafter as drafter_lib
 from jaxcert.pipeline import engine as certify
 from jaxcert.pipeline import report
 from tests.helpers import tiny_lm, tiny_models
-from tests.helpers.drafter_reference import drafter_reference, teacher_forced_logits
+from tests.helpers.drafter_reference import (
+    check_drafter_rows,
+    drafter_reference,
+    teacher_forced_logits,
+)
 
 RULES = (R.StrictGreedy(), R.Additive(0.1), R.Multiplicative(0.3), R.TargetTopK(2),
          R.Typical(), R.TreeCoverage(3), R.TreeCoverage(2, base=R.Additive(0.05)))  # fmt: skip
@@ -124,19 +128,7 @@ def test_pipeline_columns_match_the_teacher_forced_float64drafter_reference(pair
         p = teacher_forced_logits(pair["target"], full)[span]
         q = teacher_forced_logits(pair["drafter"], full)[span]  # the drafter reads the same tokens
         ref = drafter_reference(p, q, RULES)
-        got = {k: np.asarray([rows[k][r] for r in mine]) for k in ("kl", "tv", "drafter_token")}
-        np.testing.assert_allclose(got["kl"], ref["kl"], rtol=5e-4, atol=1e-5)
-        np.testing.assert_allclose(got["tv"], ref["tv"], rtol=5e-4, atol=1e-5)
-        np.testing.assert_array_equal(got["drafter_token"], ref["drafter_token"])
-        for j, rule in enumerate(RULES):
-            certified = np.asarray([rows[report.certified_column(rule)][r] for r in mine])
-            accepted = np.asarray([rows[report.accepted_column(rule)][r] for r in mine])
-            np.testing.assert_array_equal(accepted, ref["accepted"][:, j], err_msg=rule.spec)
-            apart = np.abs(ref["kl"] - ref["cert"][:, j]) > 1e-3 * (1 + ref["kl"])
-            np.testing.assert_array_equal(certified[apart], ref["certified"][apart, j])
-            assert not np.any(certified & ~accepted), rule.spec
-            checked["certified"] += int(certified.sum())
-            checked["uncertified"] += int((~certified).sum())
+        check_drafter_rows(rows, mine, ref, ref, RULES, checked)
     assert checked["certified"] > 0 and checked["uncertified"] > 0  # both cases were seen
 
 
