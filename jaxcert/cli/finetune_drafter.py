@@ -113,7 +113,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--decode-prompts",
         type=non_negative,
-        default=8,
+        default=16,
         help="first turns of --decode-source (the first of each category in turn) decoded "
         "with each "
         "drafter; 0 skips the decoder (default %(default)s)",
@@ -125,6 +125,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--decode-tokens", type=positive, default=64, help="new tokens (default %(default)s)"
+    )
+    p.add_argument(
+        "--speed-prompts",
+        type=non_negative,
+        default=8,
+        help="tokens/s at batch 1 on the first N of the decoded prompts (default %(default)s)",
     )
     p.add_argument(
         "--speed-seeds",
@@ -328,14 +334,19 @@ def run(args: argparse.Namespace) -> int:
         decoded = finetune_recipe.decode_runs(
             target, models, prompt_ids, folders, tokens=args.decode_tokens, log=log
         )
-        if args.speed_seeds:
+        if args.speed_seeds and args.speed_prompts:
             timed = {
                 n: m
                 for n, m in models.items()
                 if n == "untrained" or int(n.rsplit("seed", 1)[1]) in seeds[: args.speed_seeds]
             }
             speed = finetune_recipe.speed_runs(
-                target, timed, prompt_ids, out / "speed.json", tokens=args.decode_tokens, log=log
+                target,
+                timed,
+                prompt_ids[: args.speed_prompts],
+                out / "speed.json",
+                tokens=args.decode_tokens,
+                log=log,
             )
     summary = finetune_recipe.summarize(runs, untrained, decoded)
     summary |= {

@@ -619,23 +619,35 @@ def results_table(summary: Mapping[str, Any], metrics: Sequence[str], against: s
     return markdown_table(rows)
 
 
-def plot_curves(runs: Sequence[Mapping[str, Any]], path: pathlib.Path) -> None:
+def plot_curves(runs: Sequence[Mapping[str, Any]], path: pathlib.Path, *, smooth: int = 10) -> None:
     """Held-out greedy-certified fraction and KL against step, per objective (seeds
-    averaged), to ``path``."""
+    averaged), and the fraction of each step's positions where the objective's extra term
+    is active (its training history, a running mean over ``smooth`` steps; objectives with
+    no term are left out), to ``path``."""
     from matplotlib.figure import Figure
 
-    by: dict[str, list[list[dict]]] = {}
+    by: dict[str, list[Mapping[str, Any]]] = {}
     for r in runs:
-        by.setdefault(r["objective"], []).append(r["curve"])
-    fig = Figure(figsize=(11, 4))
-    axes = fig.subplots(1, 2)
-    for name, curves in by.items():
+        by.setdefault(r["objective"], []).append(r)
+    fig = Figure(figsize=(15, 4))
+    axes = fig.subplots(1, 3)
+    for name, group in by.items():
+        curves = [g["curve"] for g in group]
         steps = [p["step"] for p in curves[0]]
-        for ax, key in zip(axes, ("certified:greedy", "kl"), strict=True):
+        for ax, key in zip(axes[:2], ("certified:greedy", "kl"), strict=True):
             values = np.mean([[p[key] for p in c[: len(steps)]] for c in curves], axis=0)
             ax.plot(steps, values, marker="o", label=name)
+        width = min(len(g["history"]) for g in group)
+        active = np.mean([[h["active"] for h in g["history"][:width]] for g in group], axis=0)
+        if width and active.any():
+            k = min(smooth, width)
+            axes[2].plot(np.arange(k, width + 1), np.convolve(active, np.ones(k) / k, "valid"),
+                         label=name)  # fmt: skip
+        else:
+            axes[2].plot([], [])  # keeps each objective's colour across the panels
     axes[0].set_title("held-out greedy-certified fraction")
     axes[1].set_title("held-out KL(p||q) (nats)")
+    axes[2].set_title(f"positions where the term is active (mean of {smooth} steps)")
     for ax in axes:
         ax.set_xlabel("step")
     axes[0].legend()
