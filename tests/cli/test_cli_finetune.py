@@ -86,10 +86,17 @@ def test_finetune_drafter_end_to_end_and_resumed(folders, tmp_path, capsys):
     np.testing.assert_allclose(logits, want, rtol=1e-5, atol=1e-5)
     base, _ = models.load(folders[2], dtype=jnp.float32).model(tokens, merged.init_cache(1, 4))
     assert float(jnp.abs(base - want).max()) > 1e-4  # the export is not the untrained drafter
+    # jaxcert decode drafts with the exported folder; greedy outputs are the target's
+    decoded = tmp_path / "decode"
+    assert cli.main(["decode", "--target", str(folders[1]), "--drafter", str(tmp_path / "hf"),
+                     "--prompts", str(folders[4]), "--verify", "greedy", "--max-new-tokens", "6",
+                     "--out", str(decoded)]) == 0  # fmt: skip
+    lines = [json.loads(x) for x in (decoded / "outputs.jsonl").read_text().splitlines()]
+    assert len(lines) == 2 and all(r["identical"] for r in lines)
 
     # a rerun reads every phase back: nothing is trained, decoded or timed again
     stamps = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
-    assert cli.main(_argv(folders, out)) == 0
+    assert cli.main(_argv(folders, out, "--speed-prompts", "1")) == 0
     for p, t in stamps.items():
         if p.name not in ("results.json", "results.md", "learning_curves.png"):
             assert p.stat().st_mtime_ns == t, p
