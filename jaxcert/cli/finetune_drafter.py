@@ -367,7 +367,7 @@ def run(args: argparse.Namespace) -> int:
     }
     (out / "results.json").write_text(json.dumps(summary, indent=1, default=float) + "\n")
     heldout_metrics = ["kl", "tv", "agreement", "accepted:tree:4", "certified:greedy",
-                       "certified:tree:4"]  # fmt: skip
+                       "certified:tree:4", "near:greedy"]  # fmt: skip
     decode_metrics = [c for c, _, _ in finetune_recipe.DECODE_CONFIGS]
     tables = [
         "Held-out (per conversation), Δ against kl:",

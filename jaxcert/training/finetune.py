@@ -655,6 +655,7 @@ def evaluate_drafter(
     first: int,
     trained_blocks: int,
     batch_size: int = 4,
+    near: float = 0.05,
 ) -> dict[str, np.ndarray]:
     """The drafter on held-out records, per sequence (the bootstrap unit).
 
@@ -662,8 +663,10 @@ def evaluate_drafter(
     ``tv``; ``agreement``, the drafter's greedy token is the target's ``x0`` (what greedy
     verification accepts); ``accepted:tree:4``, ``x0`` is among the drafter's top 4 (what
     tree top-4 verification accepts); ``certified:<rule>`` for each store rule, ``KL <
-    C_p``; and ``positions``. With a wide held-out window (1,024) the window KL is the full
-    KL up to the target's mass outside it (``docs/training.md``).
+    C_p``; ``near:<rule>``, not certified but within ``near`` nats of it (``C_p <= KL <
+    C_p + near``: the positions a small step of ``q`` certifies); and ``positions``. With a
+    wide held-out window (1,024) the window KL is the full KL up to the target's mass outside
+    it (``docs/training.md``).
 
     Args:
       drafter: the drafter model.
@@ -672,6 +675,7 @@ def evaluate_drafter(
       records: held-out records; ``states``: the drafter's states there ``[N, T, E]``.
       rule_names, first, trained_blocks: as :func:`finetune_drafter`.
       batch_size: sequences per evaluated batch.
+      near: the width (nats) of the band above the certificate that ``near:<rule>`` counts.
 
     Returns:
       ``{name: [N] float64}``.
@@ -683,7 +687,8 @@ def evaluate_drafter(
     rows = [np.arange(i, min(i + batch_size, n)) for i in range(0, n, batch_size)]
     width = _gather_width(mask, rows, 1)
 
-    names = ["kl", "tv", "agreement", "accepted:tree:4", *(f"certified:{r}" for r in rule_names)]
+    names = ["kl", "tv", "agreement", "accepted:tree:4", *(f"certified:{r}" for r in rule_names),
+             *(f"near:{r}" for r in rule_names)]  # fmt: skip
     sums = {k: np.zeros(n) for k in names}
     counts = np.zeros(n)
     for r in rows:
@@ -709,6 +714,10 @@ def evaluate_drafter(
             "accepted:tree:4": in4.astype(float),
             **{
                 f"certified:{rn}": (kl < cert[:, j]).astype(float)
+                for j, rn in enumerate(rule_names)
+            },
+            **{
+                f"near:{rn}": ((kl >= cert[:, j]) & (kl < cert[:, j] + near)).astype(float)
                 for j, rn in enumerate(rule_names)
             },
         }

@@ -267,12 +267,18 @@ def _curve_point(
     return evaluate
 
 
+HELDOUT_FIGURES = 2
+"""The version of :func:`finetune.evaluate_drafter`'s figures a cached ``heldout.json``
+holds (2: with ``near:<rule>``); another is recomputed."""
+
+
 def heldout_figures(
     drafter: Transformer, trainable, data: Data, trained_blocks: int, path: pathlib.Path
 ) -> dict[str, np.ndarray]:
     """Per held-out sequence (:func:`finetune.evaluate_drafter`), cached in ``path`` (keyed
-    by the held-out shards; the run's folder is keyed by its training)."""
-    key = [s["digest"] for s in data.heldout.shards]
+    by the held-out shards and :data:`HELDOUT_FIGURES`; the run's folder is keyed by its
+    training)."""
+    key = {"shards": [s["digest"] for s in data.heldout.shards], "figures": HELDOUT_FIGURES}
     saved = _read_json(path)
     if saved.get("key") == key and isinstance(saved.get("per_sequence"), dict):
         return {k: np.asarray(v) for k, v in saved["per_sequence"].items()}

@@ -317,8 +317,9 @@ def test_evaluation_is_the_full_forward_at_the_trained_positions(pair, stores):
         np.testing.assert_allclose(got["agreement"][i], (z.argmax(-1) == x0).mean())
         np.testing.assert_allclose(got["accepted:tree:4"][i], (top4 == x0[:, None]).any(-1).mean())
         for j, r in enumerate(RULES):
-            want = (kl < records.certificate[i][at][:, j]).mean()
-            np.testing.assert_allclose(got[f"certified:{r}"][i], want)
+            c = records.certificate[i][at][:, j]
+            np.testing.assert_allclose(got[f"certified:{r}"][i], (kl < c).mean())
+            np.testing.assert_allclose(got[f"near:{r}"][i], ((kl >= c) & (kl < c + 0.05)).mean())
 
 
 def test_data_parallel_training_equals_one_device(pair, stores, tmp_path):
