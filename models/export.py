@@ -110,7 +110,8 @@ def save_hf(
     """Writes `loaded` (a model from `jaxcert.models.load`) as a Hugging Face folder.
 
     Args:
-      loaded: the model, its tokenizer and config.
+      loaded: the model and its tokenizer (the weights are written as `loaded.model.config`
+        lays them out: a model untied after loading writes its own lm_head).
       out: the folder to create (written beside it first; renamed when complete, so a failed
         write leaves nothing).
       dtype: ``"float32"`` or ``"bfloat16"`` weights.
@@ -134,7 +135,7 @@ def save_hf(
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {tuple(_DTYPES)}, got {dtype!r}.")
     check_int("max_shard_bytes", max_shard_bytes)
-    config = loaded.config
+    config = loaded.model.config  # the weights' own (an untied fine-tune of a tied model)
     kwargs = hf_config_dict(config, dtype)
     model_type = kwargs.pop("model_type")
     hf = transformers.AutoConfig.for_model(model_type, **kwargs)

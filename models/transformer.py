@@ -433,6 +433,29 @@ def check_call(
     return b, t, positions
 
 
+def untied(model: Transformer) -> Transformer:
+    """`model` with an lm_head of its own, so that the lm_head can be trained apart from the
+    embedding: a tied model's `[V, E]` embedding copied, transposed, into an `[E, V]`
+    `lm_head` (`config.tie_embeddings` False; the same logits, in the untied einsum). An
+    untied model is returned as it is. Not for a model placed on a mesh (its layout is
+    dropped).
+
+    Raises:
+      ValueError: `model` is placed on a mesh.
+    """
+    if model.lm_head is not None:
+        return model
+    if model.layout is not None:
+        raise ValueError("untied: the model is placed on a mesh; untie it before placing it")
+    config = dataclasses.replace(model.config, tie_embeddings=False)
+    embedding = model.embedding[...]
+    dtypes = dict(dtype=model.dtype, param_dtype=embedding.dtype)
+    out = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), **dtypes))
+    nnx.update(out, nnx.state(model))
+    out.lm_head = _const(embedding.T, ("embed", "vocab"))
+    return out
+
+
 def lm_head_logits(
     hidden: jax.Array, weights: jax.Array, *, tied: bool, layout: Layout | None = None
 ) -> jax.Array:

@@ -66,6 +66,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="N, the drafter's top blocks trained with its final norm (default %(default)s)",
     )
     p.add_argument(
+        "--train-lm-head",
+        action="store_true",
+        help="train the lm_head too (a tied drafter's untied from its embedding, which stays "
+        "frozen; the export then has an lm_head of its own)",
+    )
+    p.add_argument(
         "--train-steps",
         type=positive,
         default=None,
@@ -292,6 +298,7 @@ def run(args: argparse.Namespace) -> int:
     steps = args.train_steps or -(-store.sequences // args.batch_size)  # one pass
     ft = finetune.FinetuneSettings(
         trained_blocks=args.trained_blocks,
+        train_lm_head=args.train_lm_head,
         steps=steps,
         batch_size=args.batch_size,
         learning_rate=args.learning_rate,
@@ -310,7 +317,8 @@ def run(args: argparse.Namespace) -> int:
         print(table)
         return 0
     log(f"{len(objectives)} objectives x {len(seeds)} seeds, {steps} steps of "
-        f"{args.batch_size} sequences, top {args.trained_blocks} blocks")  # fmt: skip
+        f"{args.batch_size} sequences, top {args.trained_blocks} blocks"
+        + (" and the lm_head" if args.train_lm_head else ""))  # fmt: skip
     runs = finetune_recipe.train_runs(drafter.model, data, objectives, settings, out, log=log)
     untrained_folder = out / "untrained"
     untrained_folder.mkdir(exist_ok=True)
@@ -404,6 +412,6 @@ def _export(args, summary, drafter, models, out, seeds) -> None:
     if name not in models or name == "untrained":
         choices = ", ".join(n for n in models if n != "untrained")
         raise ValueError(f"--export-run: no run {name!r} here; choose from {choices}")
-    loaded = dataclasses.replace(drafter, model=models[name])
+    loaded = dataclasses.replace(drafter, model=models[name], config=models[name].config)
     folder = save_hf(loaded, args.export, overwrite=False, keep=[out])
     log(f"wrote {name} as a Hugging Face folder: {folder}")

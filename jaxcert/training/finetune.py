@@ -9,6 +9,10 @@ records (a head-record store written with ``states=False``,
 ids, and the exact certificates of its rules) and the drafter's states after its first ``s``
 blocks (:mod:`jaxcert.training.drafter_states`).
 
+With ``train_lm_head`` the lm_head is trained too (a tied drafter's is first untied,
+:func:`jaxcert.models.transformer.untied`: its embedding, which made the stored states,
+stays as it was).
+
 A step runs the drafter's blocks ``s .. L-1`` on the stored states of ``b`` sequences (the
 first ``L - N - s`` of them frozen), its final norm and lm_head at the trained positions
 only (gathered, so padding and prompt positions cost no lm_head), and the objective on the
@@ -200,8 +204,12 @@ def _layer_index(path: tuple) -> int | None:
     return None
 
 
-def trainable_filter(num_layers: int, trained: int) -> Callable[[tuple, Any], bool]:
-    """An nnx filter: the last ``trained`` blocks' parameters and the final norm's."""
+def trainable_filter(
+    num_layers: int, trained: int, *, lm_head: bool = False
+) -> Callable[[tuple, Any], bool]:
+    """An nnx filter: the last ``trained`` blocks' parameters and the final norm's (and the
+    untied lm_head's with ``lm_head``)."""
+    names = ("norm", "lm_head") if lm_head else ("norm",)
 
     def keep(path: tuple, value: Any) -> bool:
         if not isinstance(value, nnx.Param):
@@ -209,7 +217,7 @@ def trainable_filter(num_layers: int, trained: int) -> Callable[[tuple, Any], bo
         layer = _layer_index(path)
         if layer is not None:
             return layer >= num_layers - trained
-        return bool(path) and str(path[0]) == "norm"
+        return bool(path) and str(path[0]) in names
 
     return keep
 
@@ -244,6 +252,9 @@ class FinetuneSettings:
       learning_rate: peak Adam rate (warm-up over 5% of the steps, cosine decay, gradient
         norm clipped at 1).
       every: steps between checkpoints (and held-out evaluations of the learning curve).
+      train_lm_head: train the lm_head too (untied from the embedding when tied: the
+        fine-tuned drafter then has an lm_head of its own, ``tie_word_embeddings`` false in
+        its export).
     """
 
     trained_blocks: int = 4
@@ -251,6 +262,7 @@ class FinetuneSettings:
     batch_size: int = 8
     learning_rate: float = 1e-5
     every: int = 25
+    train_lm_head: bool = False
 
     def __post_init__(self) -> None:
         for k in ("trained_blocks", "steps", "batch_size", "every"):
@@ -357,18 +369,27 @@ class _Program:
         return aux["kl"]
 
 
-def _split(model: Transformer, trained: int):
-    keep = trainable_filter(model.config.num_layers, trained)
+def _split(model: Transformer, trained: int, lm_head: bool = False):
+    if lm_head:
+        from jaxcert.models.transformer import untied
+
+        model = untied(model)
+    keep = trainable_filter(model.config.num_layers, trained, lm_head=lm_head)
     graphdef, trainable, frozen = nnx.split(model, keep, ...)  # type: ignore[misc]
     return graphdef, trainable, frozen
+
+
+def _trains_lm_head(trainable: nnx.State | None) -> bool:
+    return trainable is not None and "lm_head" in trainable
 
 
 def merged_drafter(
     drafter: Transformer, trainable: nnx.State, *, trained_blocks: int
 ) -> Transformer:
-    """``drafter`` with its top ``trained_blocks`` blocks and final norm from
-    ``trainable`` (a fine-tuned drafter as a model the decoder and the exporter take)."""
-    graphdef, _, frozen = _split(drafter, trained_blocks)
+    """``drafter`` with its top ``trained_blocks`` blocks and final norm (and lm_head, when
+    ``trainable`` holds one: the drafter untied) from ``trainable`` (a fine-tuned drafter as
+    a model the decoder and the exporter take)."""
+    graphdef, _, frozen = _split(drafter, trained_blocks, _trains_lm_head(trainable))
     return nnx.merge(graphdef, trainable, frozen)
 
 
@@ -386,14 +407,18 @@ def run_key(
     seed: int,
     settings: FinetuneSettings,
 ) -> dict[str, Any]:
-    """What a run's folder was trained for (``run.json``): a resumed run must match it."""
+    """What a run's folder was trained for (``run.json``): a resumed run must match it
+    (``train_lm_head`` only when set: the keys of runs without it stay what they were)."""
+    trained = dataclasses.asdict(settings)
+    if not trained["train_lm_head"]:
+        del trained["train_lm_head"]
     return {
         "records": _digest_of(store),
         "drafter": states.drafter,
         "frozen_states_after": states.blocks,
         "objective": dataclasses.asdict(objective),
         "seed": seed,
-        "settings": dataclasses.asdict(settings),
+        "settings": trained,
     }
 
 
@@ -569,7 +594,7 @@ def finetune_drafter(
     plan = [head_data.batch_rows(n, size, seed, i) for i in range(settings.steps)]
     width = _gather_width(records.mask, plan, devices)
 
-    graphdef, trainable, frozen = _split(drafter, n_trained)
+    graphdef, trainable, frozen = _split(drafter, n_trained, settings.train_lm_head)
     trainable = jax.tree.map(jnp.array, trainable)  # a copy: the step donates it
     warmup = max(settings.steps // 20, 1)
     schedule = optax.warmup_cosine_decay_schedule(
@@ -595,7 +620,11 @@ def finetune_drafter(
         trainable, opt_state, frozen = jax.device_put((trainable, opt_state, frozen), replicated)
     program = _Program(graphdef, objective, rule_index, first, tx)
     step_fn = jax.jit(program.step, donate_argnums=(0, 1))
-    initial = jax.tree.map(jnp.array, _split(drafter, n_trained)[1]) if compare_initial else None
+    initial = (
+        jax.tree.map(jnp.array, _split(drafter, n_trained, settings.train_lm_head)[1])
+        if compare_initial
+        else None
+    )
     if initial is not None and mesh is not None:
         initial = jax.device_put(initial, replicated)
     initial_fn = jax.jit(program.initial_kl)
@@ -680,7 +709,7 @@ def evaluate_drafter(
     Returns:
       ``{name: [N] float64}``.
     """
-    graphdef, base, frozen = _split(drafter, trained_blocks)
+    graphdef, base, frozen = _split(drafter, trained_blocks, _trains_lm_head(trainable))
     params = base if trainable is None else trainable
     n, t = records.tokens.shape
     mask = records.mask

@@ -121,3 +121,19 @@ def test_truncate_is_an_early_exit_sharing_weights():
     for bad in (0, 3):
         with pytest.raises(ValueError, match="num_layers"):
             truncate(model, bad)
+
+
+def test_untied_gives_a_tied_model_its_own_lm_head_with_the_same_logits():
+    from jaxcert.models.transformer import untied
+
+    tied = tiny_models.random_model(tiny_models.tiny_config(tie_embeddings=True), seed=3)
+    own = untied(tied)
+    assert tied.lm_head is None and tied.config.tie_embeddings  # the input is left as it was
+    assert not own.config.tie_embeddings and own.lm_head[...].shape == (32, 64)
+    tokens = jnp.array([[1, 5, 7, 9, 11]])
+    a, _ = tied(tokens, tied.init_cache(1, 5))
+    b, _ = own(tokens, own.init_cache(1, 5))
+    np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-6)
+    own.lm_head[...] = own.lm_head[...] * 2.0  # its own: the embedding does not move
+    np.testing.assert_array_equal(own.embedding[...], tied.embedding[...])
+    assert untied(own) is own

@@ -368,3 +368,61 @@ def test_compare_initial_logs_the_untrained_kl_of_each_batch(pair, stores):
     _, plain = _train(pair, stores, "kl")
     assert "kl_initial" not in plain["history"][0]
     assert [h["kl"] for h in plain["history"]] == pytest.approx([h["kl"] for h in history])
+
+
+def test_training_the_lm_head_unties_it_from_the_frozen_embedding(pair, tmp_path):
+    """``train_lm_head`` on a tied drafter: the lm_head moves, the embedding (which made the
+    stored states) does not; the merged drafter is untied, evaluates as trained, and its
+    export reads back with the same logits."""
+    from jaxcert import models
+    from jaxcert.models import LoadedModel
+    from jaxcert.models.export import save_hf
+    from tests.helpers.tiny_models import hf_tokenizer
+
+    target, _ = pair
+    tied = random_model(
+        tiny_config(vocab_size=V, num_layers=L, max_position_embeddings=64, tie_embeddings=True),
+        seed=7,
+    )
+    spec = head_data.StoreSpec(
+        target="tiny", taps=(), length=20, top_k=V, batch_size=2, states=False
+    )
+    store = head_data.write_store(target, _sequences(), tmp_path / "store", spec)
+    states = drafter_states.write_drafter_states(
+        tied, store, tmp_path / "states", blocks=2, name="t"
+    )
+    settings = finetune.FinetuneSettings(
+        trained_blocks=1, steps=10, batch_size=6, learning_rate=3e-3, train_lm_head=True
+    )
+    records = store.load()
+    trainable, progress = finetune.finetune_drafter(
+        tied, records, states.load(), finetune.OBJECTIVES["kl"], rule_names=RULES, first=2,
+        seed=0, settings=settings,
+    )  # fmt: skip
+    assert progress["history"][-1]["kl"] < progress["history"][0]["kl"]
+    tuned = finetune.merged_drafter(tied, trainable, trained_blocks=1)
+    assert tied.lm_head is None and not tuned.config.tie_embeddings
+    np.testing.assert_array_equal(tuned.embedding[...], tied.embedding[...])
+    assert not np.allclose(tuned.lm_head[...], np.asarray(tied.embedding[...]).T)
+    got = finetune.evaluate_drafter(
+        tied, trainable, records, states.load(), rule_names=RULES, first=2, trained_blocks=1
+    )
+    tokens = jnp.asarray(records.tokens)
+    logits, _ = tuned(tokens, tuned.init_cache(*tokens.shape))
+    lq = jax.nn.log_softmax(np.asarray(logits, np.float64), -1)
+    i, at = 0, records.mask[0]
+    lp = records.top_logp[i][at].astype(np.float64)
+    kl = np.exp(lp) * (lp - np.take_along_axis(np.asarray(lq[i][at]), records.top_ids[i][at], -1))
+    np.testing.assert_allclose(got["kl"][i], kl.sum(-1).mean(), rtol=1e-4)
+    # the run's key keeps the option; a run without it keeps the key it always had
+    key = finetune.run_key(store, states, finetune.OBJECTIVES["kl"], 0, settings)
+    assert key["settings"]["train_lm_head"] is True
+    plain = finetune.run_key(store, states, finetune.OBJECTIVES["kl"], 0, SETTINGS)
+    assert "train_lm_head" not in plain["settings"]
+    # the export follows the model's own config (untied), not the tied one it was loaded with
+    loaded = LoadedModel(tuned, hf_tokenizer(), tied.config, tmp_path)
+    folder = save_hf(loaded, tmp_path / "hf")
+    back = models.load(folder, dtype=jnp.float32).model
+    again, _ = back(tokens, back.init_cache(*tokens.shape))
+    assert not back.config.tie_embeddings
+    np.testing.assert_allclose(again, logits, rtol=1e-5, atol=1e-5)
