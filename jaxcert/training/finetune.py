@@ -594,8 +594,8 @@ def finetune_drafter(
     plan = [head_data.batch_rows(n, size, seed, i) for i in range(settings.steps)]
     width = _gather_width(records.mask, plan, devices)
 
-    graphdef, trainable, frozen = _split(drafter, n_trained, settings.train_lm_head)
-    trainable = jax.tree.map(jnp.array, trainable)  # a copy: the step donates it
+    graphdef, untrained, frozen = _split(drafter, n_trained, settings.train_lm_head)
+    trainable = jax.tree.map(jnp.array, untrained)  # a copy: the step donates it
     warmup = max(settings.steps // 20, 1)
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, settings.learning_rate, warmup, max(settings.steps, warmup + 1)
@@ -620,11 +620,7 @@ def finetune_drafter(
         trainable, opt_state, frozen = jax.device_put((trainable, opt_state, frozen), replicated)
     program = _Program(graphdef, objective, rule_index, first, tx)
     step_fn = jax.jit(program.step, donate_argnums=(0, 1))
-    initial = (
-        jax.tree.map(jnp.array, _split(drafter, n_trained, settings.train_lm_head)[1])
-        if compare_initial
-        else None
-    )
+    initial = jax.tree.map(jnp.array, untrained) if compare_initial else None
     if initial is not None and mesh is not None:
         initial = jax.device_put(initial, replicated)
     initial_fn = jax.jit(program.initial_kl)
