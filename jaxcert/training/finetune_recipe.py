@@ -47,6 +47,7 @@ __all__ = [
     "decode_runs",
     "plot_curves",
     "results_table",
+    "relative_speed",
     "speed_runs",
     "summarize",
     "sweep_blocks",
@@ -490,8 +491,10 @@ def speed_runs(
     its outputs' equality to target-only's. Cached in ``path`` per method.
 
     Returns:
-      ``{method: {"tokens_per_s", "tokens", "seconds", "same_as_target"}}``, target-only
-      under ``"target-only"``.
+      ``{method: {"tokens_per_s", "speedup", "speedup_ci95", "tokens", "seconds",
+      "per_prompt_tokens", "per_prompt_seconds", "same_as_target"}}``, target-only under
+      ``"target-only"``; ``speedup`` is the ratio of tokens/s to target-only's, with a 95%
+      bootstrap interval over the prompts (:func:`relative_speed`).
     """
     from jaxcert import decoding
 
@@ -499,6 +502,7 @@ def speed_runs(
     saved = _read_json(path)
     if saved.get("key") != key or not isinstance(saved.get("methods"), dict):
         saved = {"key": key, "methods": {}}
+    saved["methods"] = {m: r for m, r in saved["methods"].items() if "per_prompt_seconds" in r}
     config = _decode_config(0.0, target, tokens)
     outputs: dict[str, list[list[int]]] = {
         m: r["outputs"] for m, r in saved["methods"].items() if "outputs" in r
@@ -508,17 +512,20 @@ def speed_runs(
         if name in saved["methods"]:
             return
         decode([list(prompt_ids[0])])  # compiles
-        total, seconds, outs = 0, 0.0, []
+        counts, times, outs = [], [], []
         for prompt in prompt_ids:
             result = decode([list(prompt)])
-            total += result.num_tokens
-            seconds += result.prefill_s + result.decode_s
+            counts.append(int(result.num_tokens))
+            times.append(round(result.prefill_s + result.decode_s, 4))
             outs.append([int(x) for x in result.tokens[0]])
         outputs[name] = outs
+        total, seconds = sum(counts), sum(times)
         saved["methods"][name] = {
             "tokens": total,
             "seconds": round(seconds, 3),
             "tokens_per_s": round(total / seconds, 4),
+            "per_prompt_tokens": counts,
+            "per_prompt_seconds": times,
             "outputs": outs,
         }
         atomic_write(path, json.dumps(saved))
@@ -538,18 +545,39 @@ def speed_runs(
             ),
         )
     base = saved["methods"]["target-only"]
-    return {
+    speed = {
         m: {
             "tokens_per_s": r["tokens_per_s"],
-            "speedup": round(r["tokens_per_s"] / base["tokens_per_s"], 4),
             "tokens": r["tokens"],
             "seconds": r["seconds"],
+            "per_prompt_tokens": r["per_prompt_tokens"],
+            "per_prompt_seconds": r["per_prompt_seconds"],
             "same_as_target": sum(
                 a == b for a, b in zip(r["outputs"], base["outputs"], strict=True)
             ),
         }
         for m, r in saved["methods"].items()
     }
+    for r in speed.values():
+        ratio = relative_speed(r, speed["target-only"])
+        r["speedup"], r["speedup_ci95"] = round(ratio[0], 4), [round(x, 4) for x in ratio[1:]]
+    return speed
+
+
+def relative_speed(
+    method: Mapping[str, Any], base: Mapping[str, Any]
+) -> tuple[float, float, float]:
+    """``(ratio, low, high)``: ``method``'s tokens/s over ``base``'s (two entries of
+    :func:`speed_runs`' result, timed on the same prompts), with a 95% bootstrap interval
+    over the prompts (each resample recomputes the ratio of total throughputs)."""
+    from jaxcert.decoding.run_report import bootstrap_speedup
+
+    return bootstrap_speedup(
+        base["per_prompt_tokens"],
+        base["per_prompt_seconds"],
+        method["per_prompt_tokens"],
+        method["per_prompt_seconds"],
+    )
 
 
 def summarize(

@@ -71,6 +71,15 @@ def test_finetune_drafter_end_to_end_and_resumed(folders, tmp_path, capsys):
     # T = 0: every drafter's output is the target's, on the first decoded prompt only
     assert all(r["same_as_target"] == 1 for r in results["speed_batch1"].values())
     assert len(json.loads((out / "speed.json").read_text())["key"]["prompts"]) == 1
+    speed = results["speed_batch1"]
+    assert speed["target-only"]["speedup"] == 1.0
+    for r in speed.values():  # the totals are the per-prompt sums; one prompt: no interval
+        assert r["tokens"] == sum(r["per_prompt_tokens"]) and len(r["per_prompt_tokens"]) == 1
+        assert r["seconds"] == pytest.approx(sum(r["per_prompt_seconds"]), abs=2e-3)
+        assert r["speedup"] == pytest.approx(
+            r["tokens_per_s"] / speed["target-only"]["tokens_per_s"], rel=1e-3
+        )
+    assert "| kl+miss-seed0 |" in (out / "results.md").read_text().split("tokens/s:")[-1]
     assert (out / "learning_curves.png").stat().st_size > 1000
     # the export is the run's drafter: its logits equal the merged model's
     exported = models.load(tmp_path / "hf", dtype=jnp.float32)

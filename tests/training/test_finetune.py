@@ -426,3 +426,16 @@ def test_training_the_lm_head_unties_it_from_the_frozen_embedding(pair, tmp_path
     again, _ = back(tokens, back.init_cache(*tokens.shape))
     assert not back.config.tie_embeddings
     np.testing.assert_allclose(again, logits, rtol=1e-5, atol=1e-5)
+
+
+def test_relative_speed_is_the_ratio_of_total_throughputs():
+    from jaxcert.training.finetune_recipe import relative_speed
+
+    base = {"per_prompt_tokens": [64, 64, 32], "per_prompt_seconds": [4.0, 8.0, 4.0]}
+    fast = {"per_prompt_tokens": [64, 64, 32], "per_prompt_seconds": [2.0, 4.0, 2.0]}
+    ratio, low, high = relative_speed(fast, base)
+    assert ratio == pytest.approx(2.0) and low == pytest.approx(2.0) and high == pytest.approx(2.0)
+    mixed = {"per_prompt_tokens": [64, 64, 32], "per_prompt_seconds": [2.0, 8.0, 4.0]}
+    ratio, low, high = relative_speed(mixed, base)
+    # totals: 160 tokens in 14 s against 160 in 16 s
+    assert ratio == pytest.approx(16 / 14) and 1.0 <= low < ratio < high <= 2.0
