@@ -407,7 +407,7 @@ def _speed_table(speed: dict) -> str:
     from jaxcert.training.finetune_recipe import relative_speed
 
     def ratio(method: str, base: str) -> str:
-        if base not in speed or base == method:
+        if base not in speed or method in (base, "target-only"):
             return "-"
         r, low, high = relative_speed(speed[method], speed[base])
         return f"{r:.3f} [{low:.3f}, {high:.3f}]"

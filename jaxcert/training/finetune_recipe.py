@@ -494,7 +494,7 @@ def speed_runs(
       ``{method: {"tokens_per_s", "speedup", "speedup_ci95", "tokens", "seconds",
       "per_prompt_tokens", "per_prompt_seconds", "same_as_target"}}``, target-only under
       ``"target-only"``; ``speedup`` is the ratio of tokens/s to target-only's, with a 95%
-      bootstrap interval over the prompts (:func:`relative_speed`).
+      bootstrap interval over the prompts (:func:`relative_speed`; ``None`` with one prompt).
     """
     from jaxcert import decoding
 
@@ -560,7 +560,8 @@ def speed_runs(
     }
     for r in speed.values():
         ratio = relative_speed(r, speed["target-only"])
-        r["speedup"], r["speedup_ci95"] = round(ratio[0], 4), [round(x, 4) for x in ratio[1:]]
+        r["speedup"] = round(ratio[0], 4)  # no interval (None) from a single prompt
+        r["speedup_ci95"] = None if np.isnan(ratio[1]) else [round(x, 4) for x in ratio[1:]]
     return speed
 
 

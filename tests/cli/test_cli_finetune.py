@@ -75,10 +75,11 @@ def test_finetune_drafter_end_to_end_and_resumed(folders, tmp_path, capsys):
     assert speed["target-only"]["speedup"] == 1.0
     for r in speed.values():  # the totals are the per-prompt sums; one prompt: no interval
         assert r["tokens"] == sum(r["per_prompt_tokens"]) and len(r["per_prompt_tokens"]) == 1
+        assert r["speedup_ci95"] is None
         assert r["seconds"] == pytest.approx(sum(r["per_prompt_seconds"]), abs=2e-3)
         assert r["speedup"] == pytest.approx(
-            r["tokens_per_s"] / speed["target-only"]["tokens_per_s"], rel=1e-3
-        )
+            r["tokens_per_s"] / speed["target-only"]["tokens_per_s"], rel=1e-3, abs=1e-4
+        )  # both rounded to 4 decimals
     assert "| kl+miss-seed0 |" in (out / "results.md").read_text().split("tokens/s:")[-1]
     assert (out / "learning_curves.png").stat().st_size > 1000
     # the export is the run's drafter: its logits equal the merged model's
