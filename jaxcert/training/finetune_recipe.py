@@ -504,9 +504,6 @@ def speed_runs(
         saved = {"key": key, "methods": {}}
     saved["methods"] = {m: r for m, r in saved["methods"].items() if "per_prompt_seconds" in r}
     config = _decode_config(0.0, target, tokens)
-    outputs: dict[str, list[list[int]]] = {
-        m: r["outputs"] for m, r in saved["methods"].items() if "outputs" in r
-    }
 
     def timed(name: str, decode: Callable) -> None:
         if name in saved["methods"]:
@@ -518,7 +515,6 @@ def speed_runs(
             counts.append(int(result.num_tokens))
             times.append(round(result.prefill_s + result.decode_s, 4))
             outs.append([int(x) for x in result.tokens[0]])
-        outputs[name] = outs
         total, seconds = sum(counts), sum(times)
         saved["methods"][name] = {
             "tokens": total,
