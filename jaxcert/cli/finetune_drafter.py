@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import pathlib
 import sys
 import time
@@ -357,7 +358,15 @@ def run(args: argparse.Namespace) -> int:
                 log=log,
             )
     summary = finetune_recipe.summarize(runs, untrained, decoded)
+    run_seeds = sorted({r["seed"] for r in runs})
+    per_seed = {
+        str(seed): finetune_recipe.summarize(
+            [r for r in runs if r["seed"] == seed], untrained, decoded
+        )["objectives"]
+        for seed in run_seeds
+    }
     summary |= {
+        "per_seed": per_seed,
         "command": " ".join(sys.argv),
         "settings": dataclasses.asdict(settings),
         "training_positions": store.positions,
@@ -390,6 +399,14 @@ def run(args: argparse.Namespace) -> int:
             "Tokens per round, Δ against the untrained drafter:",
             finetune_recipe.results_table(summary, decode_metrics, "untrained"),
         ]
+    if len(per_seed) > 1:
+        seed_metrics = ["kl", "certified:greedy", "certified:tree:4"]
+        seed_metrics += decode_metrics[:2] if decoded else []
+        for seed, objectives in per_seed.items():
+            tables += [
+                f"Seed {seed} alone, Δ against its kl:",
+                finetune_recipe.results_table({"objectives": objectives}, seed_metrics, "kl"),
+            ]
     if speed:
         tables += ["Batch 1, T = 0 (cert:0.55), tokens/s:", _speed_table(speed)]
     text = "\n\n".join(tables)
@@ -410,6 +427,8 @@ def _speed_table(speed: dict) -> str:
         if base not in speed or method in (base, "target-only"):
             return "-"
         r, low, high = relative_speed(speed[method], speed[base])
+        if math.isnan(low):  # one prompt: no interval
+            return f"{r:.3f}"
         return f"{r:.3f} [{low:.3f}, {high:.3f}]"
 
     rows = [

@@ -62,6 +62,21 @@ def test_finetune_drafter_end_to_end_and_resumed(folders, tmp_path, capsys):
         assert "vs_untrained:T0 cert:0.55" in entry
         assert entry["T0 constant:5"][0] >= 1.0  # tokens per round: at least the target's
     assert results["training_positions"] >= 60
+    # per seed: the seed's runs alone, against the kl run of the same seed
+    for seed in ("0", "1"):
+        alone = results["per_seed"][seed]
+        assert alone["kl+miss"]["seeds"] == [int(seed)] and alone["untrained"]["seeds"] == []
+        runs = {n: json.loads((out / f"{n}-seed{seed}" / "decode.json").read_text())["runs"]
+                for n in ("kl", "kl+miss")}  # fmt: skip
+        got = alone["kl+miss"]["vs_kl:T0 cert:0.55"][0]
+        want = np.mean(np.subtract(runs["kl+miss"]["T0 cert:0.55"], runs["kl"]["T0 cert:0.55"]))
+        assert got == pytest.approx(want, abs=1e-6)
+    pooled = objectives["kl+miss"]["vs_kl:T0 cert:0.55"][0]
+    assert pooled == pytest.approx(
+        np.mean([results["per_seed"][s]["kl+miss"]["vs_kl:T0 cert:0.55"][0] for s in "01"]),
+        abs=1e-6,
+    )
+    assert "Seed 1 alone, Δ against its kl:" in (out / "results.md").read_text()
     keys = {n: json.loads((out / n / "run.json").read_text())["objective"]
             for n in ("kl-seed0", "kl+miss-seed0")}  # fmt: skip
     assert keys["kl+miss-seed0"]["margin"] == 0.05 and keys["kl-seed0"]["margin"] == 0.0
@@ -80,7 +95,8 @@ def test_finetune_drafter_end_to_end_and_resumed(folders, tmp_path, capsys):
         assert r["speedup"] == pytest.approx(
             r["tokens_per_s"] / speed["target-only"]["tokens_per_s"], rel=1e-3, abs=1e-4
         )  # both rounded to 4 decimals
-    assert "| kl+miss-seed0 |" in (out / "results.md").read_text().split("tokens/s:")[-1]
+    speed_table = (out / "results.md").read_text().split("tokens/s:")[-1]
+    assert "| kl+miss-seed0 |" in speed_table and "nan" not in speed_table
     assert (out / "learning_curves.png").stat().st_size > 1000
     # the export is the run's drafter: its logits equal the merged model's
     exported = models.load(tmp_path / "hf", dtype=jnp.float32)
