@@ -70,11 +70,25 @@ def _read_jsonl(path: pathlib.Path, turn: int) -> list[Prompt]:
     return prompts
 
 
+def _cut_off(text: str, err: json.JSONDecodeError) -> bool:
+    """Whether a decode error is the end of the text arriving mid-value (a file cut short),
+    rather than invalid JSON before it."""
+    if err.msg.startswith("Unterminated string"):  # no closing quote before the end
+        return True
+    rest = text[err.pos :].rstrip()
+    return any(word.startswith(rest) for word in ("true", "false", "null"))  # "" included
+
+
 def _read_sharegpt(path: pathlib.Path, turn: int, limit: int | None) -> list[Prompt]:
     """The ``turn``-th human message of each conversation of a ShareGPT-format JSON array.
 
     The array is parsed one record at a time, so a file cut off mid-record (as the
     registry's copy is) yields its complete conversations; parsing stops at ``limit``.
+
+    Raises:
+      ValueError: not a JSON array; invalid JSON before the end of the file (a record cut
+        short only at the end is dropped); a record without a ``conversations`` list; no
+        conversation with a human turn ``turn``.
     """
     if not path.is_file():
         raise FileNotFoundError(f"prompt file not found: {path}")
@@ -85,18 +99,25 @@ def _read_sharegpt(path: pathlib.Path, turn: int, limit: int | None) -> list[Pro
         raise ValueError(f"{path}: a ShareGPT file is a JSON array of conversations")
     pos += 1
     prompts: list[Prompt] = []
+    index = -1  # of the record read, counting from 0
     while limit is None or len(prompts) < limit:
         while pos < len(text) and text[pos] in " \t\r\n,":
             pos += 1
         if pos >= len(text) or text[pos] == "]":
             break
+        index += 1
         try:
             record, pos = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError:
-            break  # the record cut off at the end of the file
+        except json.JSONDecodeError as err:
+            if _cut_off(text, err):
+                break  # the last record, cut off at the end of the file
+            raise ValueError(
+                f"{path}: invalid JSON in record {index} ({err.msg}, line {err.lineno} "
+                f"column {err.colno})"
+            ) from None
         turns = record.get("conversations") if isinstance(record, dict) else None
         if not isinstance(turns, list):
-            raise ValueError(f"{path}: record {len(prompts)} has no 'conversations' list")
+            raise ValueError(f"{path}: record {index} has no 'conversations' list")
         turns = [t for t in turns if isinstance(t, dict)]
         human = [i for i, t in enumerate(turns) if t.get("from") == "human"]
         if turn >= len(human):

@@ -271,6 +271,16 @@ def test_sharegpt_files_keep_the_complete_conversations(tmp_path):
     assert [p.response for p in got] == ["yes", None]  # the gpt reply right after the turn
     assert [p.text for p in prompts.load_prompts(str(path), turn=1)] == ["second?"]
     assert len(prompts.load_prompts(str(path), max_prompts=1)) == 1
+    start = text.index('{\n  "id": "d"')
+    for cut in range(start + 1, text.rindex("}")):  # cut anywhere in the last record
+        path.write_text(text[:cut])
+        assert [p.id for p in prompts.load_prompts(str(path))] == ["a", "c"], text[start:cut]
+    path.write_text(text.replace('"id": "c"', '"id" "c"'))  # invalid JSON mid-file
+    with pytest.raises(ValueError, match=r"invalid JSON in record 2 \(Expecting ':' delimiter"):
+        prompts.load_prompts(str(path))
+    path.write_text(json.dumps([records[0], "b", *records[2:]]))
+    with pytest.raises(ValueError, match="record 1 has no 'conversations' list"):
+        prompts.load_prompts(str(path))
     path.write_text('{"not": "an array"}')
     with pytest.raises(ValueError, match="JSON array of conversations"):
         prompts.load_prompts(str(path))
