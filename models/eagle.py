@@ -574,13 +574,46 @@ def read_head_config(folder: str | os.PathLike) -> ModelConfig:
     """The target `ModelConfig` recorded in `folder`'s `head.json`, without reading tensors.
 
     Raises:
-      ValueError: no `head.json` in `folder`.
+      ValueError: no `head.json` in `folder`; one that is not a head's (unreadable, another
+        format or version, keys missing).
     """
     path = pathlib.Path(folder) / "head.json"
     if not path.is_file():
         raise ValueError(f"{folder} has no head.json (see save_head).")
-    cfg = json.loads(path.read_text())["target_config"]
-    return ModelConfig(**dict(cfg, eos_token_ids=tuple(cfg["eos_token_ids"])))
+    return _target_config(path, _read_meta(path))
+
+
+_META_KEYS = ("target_config", "draft_vocab_size", "num_layers", "taps", "dtype", "param_dtype")
+
+
+def _read_meta(path: pathlib.Path) -> dict:
+    """``head.json`` at ``path``, checked: a JSON object of this format and version with
+    every key `load_head` reads (ValueError naming the file otherwise)."""
+    try:
+        meta = json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"{path}: not readable JSON ({e}).") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path}: not a JSON object.")
+    if meta.get("format") != "jaxcert-eagle-head" or meta.get("version") != FORMAT_VERSION:
+        raise ValueError(
+            f"{path}: format {meta.get('format')!r} version "
+            f"{meta.get('version')!r}; expected 'jaxcert-eagle-head' {FORMAT_VERSION}."
+        )
+    missing = [k for k in _META_KEYS if k not in meta]
+    if missing:
+        raise ValueError(f"{path}: lacks {', '.join(missing)} (see save_head).")
+    return meta
+
+
+def _target_config(path: pathlib.Path, meta: dict) -> ModelConfig:
+    cfg = meta["target_config"]
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("eos_token_ids"), list):
+        raise ValueError(f"{path}: target_config is not a model configuration with eos_token_ids.")
+    try:
+        return ModelConfig(**dict(cfg, eos_token_ids=tuple(cfg["eos_token_ids"])))
+    except TypeError as e:
+        raise ValueError(f"{path}: target_config is not a model configuration ({e}).") from None
 
 
 def target_features(
@@ -696,28 +729,18 @@ def load_head(folder: str | os.PathLike) -> EagleHead:
     folder = pathlib.Path(folder)
     if not (folder / "head.json").is_file() or not (folder / "head.safetensors").is_file():
         raise ValueError(f"{folder} lacks head.json or head.safetensors (see save_head).")
-    try:
-        meta = json.loads((folder / "head.json").read_text())
-    except ValueError as e:
-        raise ValueError(f"{folder / 'head.json'}: not readable JSON ({e}).") from None
-    if not isinstance(meta, dict):
-        raise ValueError(f"{folder / 'head.json'}: not a JSON object.")
-    if meta.get("format") != "jaxcert-eagle-head" or meta.get("version") != FORMAT_VERSION:
-        raise ValueError(
-            f"{folder / 'head.json'}: format {meta.get('format')!r} version "
-            f"{meta.get('version')!r}; expected 'jaxcert-eagle-head' {FORMAT_VERSION}."
-        )
+    meta = _read_meta(folder / "head.json")
+    config = _target_config(folder / "head.json", meta)
     try:
         tensors = load_file(str(folder / "head.safetensors"))
     except Exception as e:  # safetensors' own error types: empty, truncated, corrupt
         raise ValueError(f"{folder / 'head.safetensors'}: cannot be read ({e}).") from None
-    cfg = dict(meta["target_config"], eos_token_ids=tuple(meta["target_config"]["eos_token_ids"]))
     size = meta["draft_vocab_size"]
     ids = None if size is None else np.asarray(tensors.get("draft_vocab", np.zeros(0, np.int32)))
     if ids is not None and ids.shape != (size,):
         raise ValueError(f"draft_vocab has shape {ids.shape}; head.json records {size} ids.")
     build = lambda: EagleHead(  # noqa: E731
-        ModelConfig(**cfg),
+        config,
         rngs=nnx.Rngs(0),
         num_layers=meta["num_layers"],
         taps=tuple(meta["taps"]),

@@ -1,5 +1,7 @@
 """EagleHead: shapes, cache equivalences (causal, tree), reduced vocabulary, init, save/load."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -252,6 +254,30 @@ def test_load_rejects_another_format(tmp_path):
         load_head(tmp_path)
     with pytest.raises(ValueError, match="lacks head.json"):
         load_head(tmp_path / "missing")
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (lambda m: m.pop("target_config"), "lacks target_config"),
+        (lambda m: (m.pop("taps"), m.pop("dtype")), "lacks taps, dtype"),
+        (lambda m: m["target_config"].pop("eos_token_ids"), "not a model configuration"),
+        (lambda m: m["target_config"].update(colour=1), "not a model configuration"),
+        (lambda m: m.update(target_config=[1]), "not a model configuration"),
+    ],
+)
+def test_an_incomplete_head_json_is_a_value_error_naming_it(tmp_path, edit, match):
+    from jaxcert.models.eagle import read_head_config
+
+    save_head(EagleHead(CONFIG, rngs=nnx.Rngs(0)), tmp_path)
+    meta = json.loads((tmp_path / "head.json").read_text())
+    assert read_head_config(tmp_path) == CONFIG
+    load_head(tmp_path)  # the file as written loads
+    edit(meta)
+    (tmp_path / "head.json").write_text(json.dumps(meta))
+    for read in (read_head_config, load_head):
+        with pytest.raises(ValueError, match=f"head.json: .*{match}"):
+            read(tmp_path)
 
 
 BAD = {
