@@ -315,6 +315,12 @@ def _run(args, dist: distributed.Distributed, peers: distributed.Peers) -> int:
         drafter=None if drafter is None else drafter.path.name,
     )  # fmt: skip
     _print_report(text, info, meta, args)
+    undefined = meta.get("drafter_summary", {}).get("kl_undefined", 0)
+    if undefined:
+        print(f"[jaxcert] warning: the drafter's logits are no distribution (NaN or +inf, or "
+              f"none finite) at {counted(undefined, 'position')} of {meta['positions']}: "
+              "KL undefined there, counted as neither certified nor accepted",
+              file=sys.stderr)  # fmt: skip
     peers.done()
     return 0
 

@@ -140,15 +140,20 @@ def drafter_terms(
 def drafter_columns(terms: DrafterTerms, rules: Sequence) -> dict[str, np.ndarray]:
     """The drafter's Parquet columns of :class:`DrafterTerms` (host arrays, any leading
     shape): ``kl``, ``tv``, ``drafter_token``, then ``certified_<rule>`` and
-    ``accepted_<rule>`` per rule (:func:`jaxcert.pipeline.report.certified_column`)."""
+    ``accepted_<rule>`` per rule (:func:`jaxcert.pipeline.report.certified_column`).
+    Where ``kl`` is ``nan`` (a row of either side that is no distribution: NaN or ``+inf``
+    logits, or none finite) the drafter proposes nothing: ``drafter_token`` is ``-1`` and
+    certified and accepted are ``False``."""
     terms = jax.device_get(terms)
+    kl = np.asarray(terms.kl, np.float32)
+    undefined = np.isnan(kl)
     out = {
-        "kl": np.asarray(terms.kl, np.float32),
-        "tv": np.asarray(terms.tv, np.float32),
-        "drafter_token": np.asarray(terms.drafter_token, np.int32),
+        "kl": kl,
+        "tv": np.where(undefined, np.nan, np.asarray(terms.tv, np.float32)).astype(np.float32),
+        "drafter_token": np.where(undefined, -1, np.asarray(terms.drafter_token)).astype(np.int32),
     }
     for i, rule in enumerate(rules):
-        out[certified_column(rule)] = np.asarray(terms.certified[..., i], bool)
+        out[certified_column(rule)] = np.asarray(terms.certified[..., i], bool) & ~undefined
     for i, rule in enumerate(rules):
-        out[accepted_column(rule)] = np.asarray(terms.accepted[..., i], bool)
+        out[accepted_column(rule)] = np.asarray(terms.accepted[..., i], bool) & ~undefined
     return out

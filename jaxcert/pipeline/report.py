@@ -294,7 +294,9 @@ def drafter_summary(table: pa.Table, rules: Sequence) -> dict:
       rules: the rules.
 
     Returns:
-      ``{"positions", "mean_kl", "median_kl", "kl_inf_share", "mean_tv", "rules"}``: KL in
+      ``{"positions", "kl_undefined", "mean_kl", "median_kl", "kl_inf_share", "mean_tv",
+      "rules"}``: the count of positions where KL is undefined (``nan``: a row that is no
+      distribution; they count as neither certified nor accepted), KL in
       nats over the positions where it is defined (``mean_kl`` over the finite values, with
       ``kl_inf_share`` the share of ``+inf``, where ``q`` gives 0 to a token ``p`` does not;
       ``None`` without values), and per rule ``{"rule", "certified", "accepted",
@@ -303,6 +305,7 @@ def drafter_summary(table: pa.Table, rules: Sequence) -> dict:
       ``KL = C_p``).
     """
     kl = _values(table, "kl")
+    undefined = int(np.isnan(kl).sum())
     kl = kl[~np.isnan(kl)]
     finite = kl[np.isfinite(kl)]
     tv = _values(table, "tv")
@@ -322,6 +325,7 @@ def drafter_summary(table: pa.Table, rules: Sequence) -> dict:
         )
     return {
         "positions": table.num_rows,
+        "kl_undefined": undefined,
         "mean_kl": float(finite.mean()) if finite.size else None,
         "median_kl": _percentile(kl, 50),
         "kl_inf_share": float(np.mean(np.isinf(kl))) if kl.size else None,
@@ -345,6 +349,12 @@ def drafter_markdown(summary: dict, name: str | None = None) -> str:
         "accepts the drafter's proposal whatever its ties; accepted: the rule's verifier "
         "accepts the drafter's greedy token (for tree:m, one of its top m).\n\n"
     )
+    if summary.get("kl_undefined"):
+        text += (
+            f"At {counted(summary['kl_undefined'], 'position')} a row is no distribution "
+            "(NaN or +inf logits, or none finite): KL undefined, neither certified nor "
+            "accepted there.\n\n"
+        )
     table = [
         {"rule": r["rule"], "certified": f"{r['certified']:.1%}",
          "accepted": f"{r['accepted']:.1%}"}

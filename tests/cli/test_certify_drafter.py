@@ -79,6 +79,29 @@ def test_certify_with_a_drafter_writes_its_columns_summary_and_plot(files, draft
     text = (drafted / "summary.md").read_text()
     assert "## Drafter drafter against the target" in text and "| kl |" in text
     assert (drafted / "kl_vs_certificate.png").stat().st_size > 1000
+    assert summary["kl_undefined"] == 0 and "no distribution" not in text
+
+
+def test_a_drafter_of_nan_logits_gets_a_warning_line(files, tmp_path, capsys):
+    from safetensors.numpy import load_file, save_file
+
+    folder = tiny_lm.save_tiny_checkpoint(tmp_path / "nan")
+    weights = load_file(folder / "model.safetensors")
+    weights["lm_head.weight"] = np.full_like(weights["lm_head.weight"], np.nan)
+    save_file(weights, folder / "model.safetensors")
+    capsys.readouterr()
+    assert _certify(files, tmp_path / "out", "--drafter", str(folder), "--no-plots") == 0
+    rows = len(tiny_lm.TEXTS) * STEPS
+    warned = [x for x in capsys.readouterr().err.splitlines() if "warning" in x]
+    assert warned == [
+        "[jaxcert] warning: the drafter's logits are no distribution (NaN or +inf, or none "
+        f"finite) at {rows} positions of {rows}: KL undefined there, counted as neither "
+        "certified nor accepted"
+    ]
+    assert (
+        json.loads((tmp_path / "out" / "run.json").read_text())["drafter_summary"]["kl_undefined"]
+        == rows
+    )
 
 
 def test_the_columns_are_the_teacher_forced_reference(files, drafted):

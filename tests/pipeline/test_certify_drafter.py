@@ -202,3 +202,29 @@ def test_proposal_logits_set_the_proposals_and_leave_kl_and_tv():
     assert (np.asarray(plain.drafter_token) == 0).any()  # not vacuous: some proposals moved
     with pytest.raises(ValueError, match="proposal_logits must have the drafter's shape"):
         drafter_lib.drafter_terms(q, p, RULES, proposal_logits=shown[:, :5])
+
+
+def test_a_drafter_of_nan_logits_proposes_nothing_and_the_summary_says_so(pair, tmp_path):
+    """A drafter whose logits are NaN (here its lm_head): KL undefined, no drafted token
+    (-1, not the argmax of NaN), neither certified nor accepted, counted in the summary."""
+    from safetensors.numpy import load_file, save_file
+
+    folder = tiny_lm.save_tiny_checkpoint(tmp_path / "nan")
+    weights = load_file(folder / "model.safetensors")
+    weights["lm_head.weight"] = np.full_like(weights["lm_head.weight"], np.nan)
+    save_file(weights, folder / "model.safetensors")
+    options = certify.CertifyOptions(steps=4, batch_size=2, chunk=4, stop_at_eos=False)
+    prompt_set = [prompts.Prompt(str(i), t) for i, t in enumerate(TEXTS[:2])]
+    table, _ = certify.certify_prompts(
+        pair["target"], prompt_set, RULES, options, drafter=models.load(str(folder))
+    )
+    assert table.num_rows == 8
+    assert np.isnan(table.column("kl").to_numpy()).all()
+    assert np.isnan(table.column("tv").to_numpy()).all()
+    np.testing.assert_array_equal(table.column("drafter_token").to_numpy(), -1)
+    for rule in RULES:
+        assert not table.column(report.certified_column(rule)).to_numpy().any(), rule.spec
+        assert not table.column(report.accepted_column(rule)).to_numpy().any(), rule.spec
+    summary = report.drafter_summary(table, RULES)
+    assert summary["kl_undefined"] == 8 and summary["mean_kl"] is None
+    assert "At 8 positions a row is no distribution" in report.drafter_markdown(summary)
