@@ -147,7 +147,7 @@ def drafter_columns(terms: DrafterTerms, rules: Sequence) -> dict[str, np.ndarra
     terms = jax.device_get(terms)
     kl = np.asarray(terms.kl, np.float32)
     undefined = np.isnan(kl)
-    out = {
+    out: dict[str, np.ndarray] = {
         "kl": kl,
         "tv": np.where(undefined, np.nan, np.asarray(terms.tv, np.float32)).astype(np.float32),
         "drafter_token": np.where(undefined, -1, np.asarray(terms.drafter_token)).astype(np.int32),
