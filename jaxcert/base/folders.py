@@ -223,10 +223,12 @@ def check_options(
     *,
     name: str = "options.json",
     advice: str = "choose another folder",
+    record: bool = True,
 ) -> None:
     """Records `options` in ``folder / name`` (JSON), or, when the folder already records
     some, checks they are the same: a folder is reused only with the options it was
     written with. The folder is created if needed; the record is written atomically.
+    With ``record=False`` only the check is made (nothing is written).
 
     Args:
       folder: the run's or output's folder.
@@ -250,8 +252,9 @@ def check_options(
             raise ValueError(f"{path} is corrupt (not a JSON object); {advice}")
         refuse_other_options(folder, saved, now, advice=advice)
         return
-    folder.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, json.dumps(now, indent=1) + "\n")
+    if record:
+        folder.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, json.dumps(now, indent=1) + "\n")
 
 
 def manifest_path(folder: str | os.PathLike) -> pathlib.Path:

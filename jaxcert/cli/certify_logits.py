@@ -175,7 +175,12 @@ def _check_drafter_logits(args, dense: bool) -> None:
     headers alone."""
     from jaxcert.pipeline import logits as certify_logits
 
-    if not dense or args.drafter_logits.suffix not in _DENSE:
+    path = args.drafter_logits
+    if path.suffix not in _DENSE:
+        raise ValueError(
+            f"--drafter-logits: {path} is not a dense dump: give a .npy or .safetensors file"
+        )
+    if not dense:
         raise ValueError(
             "--drafter-logits pairs two dense dumps (.npy or .safetensors): top-K records "
             "carry no full distribution, so they do not determine KL(p||q)"

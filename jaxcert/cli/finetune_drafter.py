@@ -247,8 +247,8 @@ def run(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
 
     from jaxcert import models as models_lib
-    from jaxcert.base.folders import check_options
     from jaxcert.cli._common import check_vocabularies, load_model, load_prompt_set
+    from jaxcert.pipeline.store import fingerprint_path
     from jaxcert.training import finetune, finetune_recipe
     from jaxcert.training.head_recipe import decode_prompt_ids
 
@@ -276,8 +276,8 @@ def run(args: argparse.Namespace) -> int:
         "max_prompts": args.max_prompts, "positions": args.positions,
         "heldout_sequences": args.heldout_sequences, "states_after": states_after,
     }  # fmt: skip
-    check_options(out, data_options, advice="use another --out (the records and states are "
-                  "the runs' data)")  # fmt: skip
+    # checked now, recorded with the weights' fingerprints once the data is known to suffice
+    finetune_recipe.record_options(out, data_options, record=False)
     log(f"loading the target {args.target} (float32)")
     target = load_model("--target", args.target, dtype=jnp.float32)
     log(f"loading the drafter {args.drafter} (float32)")
@@ -289,7 +289,11 @@ def run(args: argparse.Namespace) -> int:
     settings = finetune_recipe.RecipeSettings(
         positions=args.positions, heldout=args.heldout_sequences, states_after=states_after
     )
-    store, heldout = finetune_recipe.write_records(target, prompt_set, settings, out, log=log)
+    fingerprints = {"target_sha256": fingerprint_path(target.path),
+                    "drafter_sha256": fingerprint_path(drafter.path)}  # fmt: skip
+    store, heldout = finetune_recipe.write_records(
+        target, prompt_set, settings, out, options=data_options | fingerprints, log=log
+    )
     del target  # not needed again until the decoder runs: its ~6 GB back for training
     gc.collect()
     states, held_states = finetune_recipe.write_states(

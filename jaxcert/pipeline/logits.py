@@ -173,6 +173,8 @@ def _open_dense(path: pathlib.Path, tensor: str | None):
         try:
             array = np.load(path, mmap_mode="r")
         except (ValueError, EOFError, OSError) as err:
+            if "allow_pickle" in str(err):  # numpy's word for a header it cannot parse
+                raise ValueError(f"{path}: not a .npy array of numbers") from None
             raise ValueError(f"{path}: not a readable .npy array ({err})") from None
         if array.dtype == np.dtype("V2"):  # ml_dtypes.bfloat16 saved by np.save
             import ml_dtypes

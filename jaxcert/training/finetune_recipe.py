@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from jaxcert.base.folders import atomic_write
+from jaxcert.base.folders import atomic_write, check_options, refuse_other_options
 from jaxcert.training import drafter_states, finetune, head_data
 from jaxcert.training.head_recipe import bootstrap_mean, interval
 
@@ -52,6 +52,7 @@ __all__ = [
     "summarize",
     "sweep_blocks",
     "train_runs",
+    "record_options",
     "write_records",
     "write_states",
 ]
@@ -116,21 +117,67 @@ def _read_json(path: pathlib.Path) -> dict:
     return record if isinstance(record, dict) else {}
 
 
+FINGERPRINTS = ("target_sha256", "drafter_sha256")
+"""The options of a fine-tuning folder that name the models' weights by content
+(:func:`jaxcert.pipeline.store.fingerprint_path`): the same path holding other weights is
+another folder's data."""
+
+OPTIONS_ADVICE = "use another --out (the records and states are the runs' data)"
+
+
+def record_options(
+    out: pathlib.Path,
+    options: Mapping[str, Any],
+    *,
+    record: bool = True,
+    log: Log = lambda message: None,
+) -> None:
+    """Records ``options`` in ``out / 'options.json'``, or checks them against the record
+    there (:func:`jaxcert.base.folders.check_options`). A record without
+    :data:`FINGERPRINTS` (written before them) that agrees on the rest gets them; with
+    ``record=False`` nothing is written and the fingerprints are not compared (a check
+    before the models are loaded).
+
+    Raises:
+      ValueError: the folder records other options (each named, with both values).
+    """
+    path = out / "options.json"
+    saved = _read_json(path) if path.is_file() else {}
+    if saved and (not record or not any(k in saved for k in FINGERPRINTS)):
+
+        def rest(d: Mapping[str, Any]) -> dict:
+            kept = {k: v for k, v in d.items() if k not in FINGERPRINTS}
+            return json.loads(json.dumps(kept, default=str))
+
+        refuse_other_options(out, rest(saved), rest(options), advice=OPTIONS_ADVICE)
+        if record:
+            atomic_write(path, json.dumps(json.loads(json.dumps(dict(options))), indent=1) + "\n")
+            log(f"{path}: recorded the models' fingerprints (a record written before them)")
+        return
+    check_options(out, options, advice=OPTIONS_ADVICE, record=record)
+
+
 def write_records(
     target: LoadedModel,
     prompt_set: Sequence[prompts.Prompt],
     settings: RecipeSettings,
     out: pathlib.Path,
     *,
+    options: Mapping[str, Any] | None = None,
     log: Log = lambda message: None,
 ) -> tuple[head_data.Store, head_data.Store]:
     """The target's records of ShareGPT-style replies: the held-out store (``out /
     'heldout'``, the last ``settings.heldout`` sequences, the wide window) first, then the
     training store (``out / 'store'``, up to ``settings.positions``); both resume.
 
+    ``options`` (what the folder's data comes from, the models' fingerprints among them)
+    are recorded in ``out / 'options.json'`` once the sequences are known to suffice and
+    before anything is written: a folder recording other options is refused, one whose
+    record predates the fingerprints (:data:`FINGERPRINTS`) gets them.
+
     Raises:
       ValueError: as :func:`jaxcert.training.head_recipe.sequences` and
-        :func:`head_data.write_store`.
+        :func:`head_data.write_store`; ``out`` records other options.
     """
     from jaxcert.training import head_recipe
 
@@ -139,6 +186,8 @@ def write_records(
     )
     seqs = head_recipe.sequences(target, prompt_set, head_settings)
     train, held = head_recipe.split_sequences(seqs, settings.heldout)
+    if options is not None:
+        record_options(out, options, log=log)
     t0 = time.perf_counter()
 
     def progress(done: int, goal: int) -> None:
@@ -364,12 +413,26 @@ def train_runs(
 ) -> list[dict[str, Any]]:
     """One run per seed and objective (every objective at the first seed before any at the
     second), each in ``out / '<objective>-seed<seed>'``, then its held-out evaluation.
+    Every run's folder is checked against what it was trained for before any run trains.
 
     Returns:
       Per run: ``objective``, ``seed``, ``folder``, ``trainable`` (the parameters),
       ``curve`` (the learning curve), ``history`` and ``per_sequence`` (held-out).
+
+    Raises:
+      ValueError: a run's folder trained for another key (:func:`finetune.run_key`).
     """
     ft = settings.finetune
+    for seed in settings.seeds:  # every run's folder checked before any trains
+        for objective in objectives:
+            key = finetune.run_key(data.store, data.states_manifest, objective, seed, ft)
+            check_options(
+                out / f"{objective.name}-seed{seed}",
+                key,
+                name="run.json",
+                advice="use another folder",
+                record=False,
+            )
     rows = []
     for seed in settings.seeds:
         for objective in objectives:

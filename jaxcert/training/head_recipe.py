@@ -162,7 +162,8 @@ def sequences(
         raise ValueError(
             f"{counted(len(fit), 'prompt')} fit{'s' if len(fit) == 1 else ''} "
             f"{settings.length} tokens: too few to hold out "
-            f"{settings.heldout} (raise --max-prompts or lower --heldout-sequences)"
+            f"{settings.heldout} (more prompts: --prompts, --max-prompts; or lower "
+            "--heldout-sequences)"
         )
     kw: dict[str, Any] = {"length": settings.length, "cache": cache, "progress": progress}
     held = head_data.greedy_sequences(target, fit[n_train:], **kw)
@@ -184,7 +185,8 @@ def split_sequences(
     """
     if len(seqs) <= heldout:
         raise ValueError(
-            f"{counted(len(seqs), 'sequence')} cannot hold out {heldout} (raise --max-prompts)"
+            f"{counted(len(seqs), 'sequence')} cannot hold out {heldout} (more prompts: "
+            "--prompts, --max-prompts)"
         )
     return list(seqs[: len(seqs) - heldout]), list(seqs[len(seqs) - heldout :])
 

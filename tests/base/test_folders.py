@@ -75,6 +75,11 @@ def test_check_options_records_then_refuses_other_options(tmp_path):
         f"{run} was written with other options: steps (then 6, now 3), x (then None, now "
         "'y'); use --overwrite"
     )
+    fresh = tmp_path / "fresh"
+    folders.check_options(fresh, {"steps": 6}, record=False)  # a check alone writes nothing
+    assert not fresh.exists()
+    with pytest.raises(ValueError, match="steps"):
+        folders.check_options(run, {"steps": 3, "taps": [1, 2]}, record=False)
     (run / "options.json").write_text("[1]")
     with pytest.raises(ValueError, match=r"options.json is corrupt \(not a JSON object\)"):
         folders.check_options(run, {"steps": 6})

@@ -290,6 +290,8 @@ def dumps(tmp_path_factory):
     for name, array in files.items():
         np.save(root / f"{name}.npy", array)
     (root / "records.jsonl").write_text("{}\n")
+    (root / "text.npy").write_text("not an array\n")
+    np.savez(root / "drafter.npz", drafter)
     return root, target, drafter
 
 
@@ -340,10 +342,12 @@ def test_certify_logits_with_a_drafter_dump_gives_the_reference_columns(dumps, c
         ("target.npy", "short.npy", "have shape (3, 5, 17), the target's"),
         ("target.npy", "narrow.npy", "vocabulary mismatch: the target's logits"),
         ("target.npy", "missing.npy", "--drafter-logits: logits file not found"),
-        ("target.npy", "records.jsonl", "--drafter-logits pairs two dense dumps"),
+        ("target.npy", "records.jsonl", "records.jsonl is not a dense dump: give a .npy or"),
+        ("target.npy", "drafter.npz", "drafter.npz is not a dense dump: give a .npy or"),
+        ("target.npy", "text.npy", "text.npy: not a .npy array of numbers"),
         ("records.jsonl", "drafter.npy", "--drafter-logits pairs two dense dumps"),
     ],
-    ids=["positions", "vocabulary", "missing", "records-drafter", "records-target"],
+    ids=["positions", "vocabulary", "missing", "records-drafter", "npz", "text", "records-target"],
 )
 def test_certify_logits_refuses_a_drafter_dump_it_cannot_pair(
     dumps, input_name, drafter_name, message, capsys

@@ -195,20 +195,57 @@ def test_finetune_drafter_refuses_prompts_without_replies(folders, tmp_path, cap
 def test_changed_data_options_are_refused_before_anything_is_written(folders, tmp_path, capsys):
     """A larger --positions on a finished folder would grow its records under runs trained
     on the old ones: refused, and the folder left as it was."""
+    import shutil
+
     out = tmp_path / "o"
+    drafter = shutil.copytree(folders[2], tmp_path / "drafter")  # its weights change below
     argv = _argv(folders, out, "--objectives", "kl", "--seeds", "0", "--decode-prompts", "0")
+    argv[argv.index("--drafter") + 1] = str(drafter)
+    # a run refused once the data is known (too few sequences) records nothing
+    few = list(argv)
+    few[few.index("--heldout-sequences") + 1] = "100"
+    assert cli.main(few) == 2
+    assert "cannot hold out 100" in capsys.readouterr().err
+    assert not (out / "options.json").exists()
     assert cli.main(argv) == 0
+    options = json.loads((out / "options.json").read_text())
+    assert len(options["target_sha256"]) == len(options["drafter_sha256"]) == 64
     stamps = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
     more = list(argv)
     more[more.index("--positions") + 1] = "200"
     assert cli.main(more) == 2
     assert "positions (then 60, now 200)" in capsys.readouterr().err
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == stamps
+    # another run's settings: refused before any run trains, kl+miss's included
+    other = list(argv)
+    other[other.index("--objectives") + 1] = "kl+miss,kl"
+    other[other.index("--learning-rate") + 1] = "2e-2"
+    assert cli.main(other) == 2
+    assert "kl-seed0 was written with other options: settings.learning_rate (then 0.01, " \
+        "now 0.02)" in capsys.readouterr().err  # fmt: skip
+    assert not (out / "kl+miss-seed0").exists()
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == stamps
+    # a record written before the fingerprints gets them; then other weights at the same
+    # path are another folder's data
+    (out / "options.json").write_text(json.dumps(
+        {k: v for k, v in options.items() if not k.endswith("_sha256")}))  # fmt: skip
+    assert cli.main(argv) == 0
+    assert "recorded the models' fingerprints" in capsys.readouterr().err
+    assert json.loads((out / "options.json").read_text()) == options
     # a damaged checkpoint is named in one line, not a traceback
     (out / "kl-seed0" / "checkpoint" / "params.safetensors").write_bytes(b"junk")
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert "kl-seed0/checkpoint: a damaged checkpoint" in err and "Traceback" not in err
+    from safetensors.numpy import load_file, save_file
+
+    weights = load_file(drafter / "model.safetensors")
+    weights["lm_head.weight"] = weights["lm_head.weight"] * 1.5
+    save_file(weights, drafter / "model.safetensors")
+    stamps = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+    assert cli.main(argv) == 2
+    assert "drafter_sha256 (then" in capsys.readouterr().err
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == stamps
 
 
 def test_the_sweep_writes_its_table_and_stops(folders, tmp_path, capsys):

@@ -439,3 +439,27 @@ def test_relative_speed_is_the_ratio_of_total_throughputs():
     ratio, low, high = relative_speed(mixed, base)
     # totals: 160 tokens in 14 s against 160 in 16 s
     assert ratio == pytest.approx(16 / 14) and 1.0 <= low < ratio < high <= 2.0
+
+
+def test_record_options_fingerprints_and_the_records_written_before_them(tmp_path):
+    from jaxcert.training.finetune_recipe import record_options
+
+    data = {"target": "t", "drafter": "d", "positions": 60}
+    printed = data | {"target_sha256": "a" * 64, "drafter_sha256": "b" * 64}
+    path = tmp_path / "options.json"
+    record_options(tmp_path, data, record=False)  # nothing recorded: nothing to check
+    assert not path.exists()
+    record_options(tmp_path, printed)
+    assert json.loads(path.read_text()) == printed
+    record_options(tmp_path, data, record=False)  # before the models load: the rest agrees
+    with pytest.raises(ValueError, match="positions \\(then 60, now 61\\)"):
+        record_options(tmp_path, data | {"positions": 61}, record=False)
+    with pytest.raises(ValueError, match="drafter_sha256 \\(then 'bbbb"):
+        record_options(tmp_path, printed | {"drafter_sha256": "c" * 64})
+    path.write_text(json.dumps(data))  # a record written before the fingerprints
+    with pytest.raises(ValueError, match="positions"):
+        record_options(tmp_path, printed | {"positions": 61})
+    assert json.loads(path.read_text()) == data
+    said = []
+    record_options(tmp_path, printed, log=said.append)
+    assert json.loads(path.read_text()) == printed and "fingerprints" in said[0]

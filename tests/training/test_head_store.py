@@ -536,7 +536,7 @@ def test_head_recipe_holds_out_the_last_fitting_prompts_generated_first(
     assert again == seqs and calls == []
     too_many = dataclasses.replace(settings, heldout=5)
     with pytest.raises(ValueError, match=r"5 prompts fit 64 tokens: too few to hold out 5 "
-                                         r"\(raise --max-prompts"):  # fmt: skip
+                                         r"\(more prompts: --prompts, --max-prompts"):  # fmt: skip
         head_recipe.sequences(greedy_target, _greedy_prompts(), too_many)
 
 
