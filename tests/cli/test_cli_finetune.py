@@ -157,6 +157,7 @@ def _checkpoint(folder, model):
             "--export-run: no run 'kl+tv-seed0'",
         ),
         (["--export", "OUT/hf"], "is inside --out"),
+        (["--export", "FILE/hf/x"], "FILE is a file, not a folder"),
         (["--export", "EXPORT", "--sweep", "1"], "the sweep trains no run to export"),
         (
             ["--trained-blocks", "3"],
@@ -174,8 +175,15 @@ def test_finetune_drafter_refuses_bad_options_before_loading(
 
     monkeypatch.setattr(models, "load", boom)
     out = tmp_path / "o"
+    (tmp_path / "FILE").write_text("a file")
     extra = [
-        str(out) + "/hf" if e == "OUT/hf" else str(tmp_path / "x") if e == "EXPORT" else e
+        str(out) + "/hf"
+        if e == "OUT/hf"
+        else str(tmp_path / "x")
+        if e == "EXPORT"
+        else str(tmp_path / e)
+        if e.startswith("FILE")
+        else e
         for e in extra
     ]
     assert cli.main(_argv(folders, out, *extra)) == 2
