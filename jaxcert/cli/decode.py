@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import pathlib
 import sys
 import time
@@ -245,7 +246,9 @@ def run(args) -> int:
                 f"--costs {args.costs} has no costs for batches of {missing} rows "
                 f"(it has {sorted(given_costs.table)})"
             )
-    out.mkdir(parents=True, exist_ok=True)
+    above = next(p for p in (out, *out.parents) if p.exists())
+    if not above.is_dir() or not os.access(above, os.W_OK):
+        raise ValueError(f"--out: {above} is not a writable folder")
     started = time.perf_counter()
     cache_dir = jaxcert.enable_compilation_cache()  # a rerun on this machine compiles nothing
     print(f"[jaxcert] loading target {args.target} and drafter {args.drafter} ...",
@@ -274,6 +277,7 @@ def run(args) -> int:
     summary = run_report.summarize_runs(runs)
     if replace:  # the previous run's files go only now that this one is ready
         run_report.remove_outputs(out)
+    out.mkdir(parents=True, exist_ok=True)  # only now: a failed load leaves no empty folder
     ids = [p.id for p in prompt_set]
     run_report.write_tables(out, runs["speculative"], ids, args.batch_size)
     run_report.write_outputs(out / "outputs.jsonl", runs, ids, target.tokenizer.decode)

@@ -100,6 +100,20 @@ def test_decode_out_that_is_a_file_is_named_before_loading(files, monkeypatch, c
     assert cli.main(_argv(files, path)) == 2
     err = capsys.readouterr().err
     assert f"--out {path} is a file, not a folder" in err and "Errno" not in err
+    assert cli.main(_argv(files, path / "under")) == 2  # a folder under a file
+    assert f"{path} is not a writable folder" in capsys.readouterr().err
+
+
+def test_decode_that_fails_to_load_leaves_no_folder(files, tmp_path, capsys):
+    junk = tmp_path / "junk.gguf"  # its header and metadata whole, its tensors cut short
+    data = files["drafter"].read_bytes()
+    junk.write_bytes(data[: len(data) - 4096])
+    argv = _argv(files, tmp_path / "out")
+    argv[argv.index("--drafter") + 1] = str(junk)
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "loading target" in err and "Traceback" not in err  # it failed while loading
+    assert not (tmp_path / "out").exists()
 
 
 def test_check_output_and_remove_outputs(tmp_path):
