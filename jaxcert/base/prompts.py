@@ -37,10 +37,12 @@ def _read_jsonl(path: pathlib.Path, turn: int) -> list[Prompt]:
     if not path.is_file():
         raise FileNotFoundError(f"prompt file not found: {path}")
     prompts = []
+    records = 0
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, start=1):
             if not line.strip():
                 continue
+            records += 1
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
@@ -65,6 +67,10 @@ def _read_jsonl(path: pathlib.Path, turn: int) -> list[Prompt]:
             category = record.get("category")
             category = None if category is None else str(category)
             prompts.append(Prompt(str(ident), text, category))
+    if not prompts and records and turn > 0:
+        raise ValueError(
+            f"{path}: none of its {records} records has a turn {turn} (counting from 0)"
+        )
     if not prompts:
         raise ValueError(f"{path}: no prompts found")
     return prompts

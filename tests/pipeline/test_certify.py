@@ -213,6 +213,8 @@ def test_load_prompts_formats_and_errors(tmp_path):
         ("7", "first", "math"), ("3", "plain", None), ("4", "only one", None)
     ]  # fmt: skip
     assert [p.text for p in prompts.load_prompts(str(path), turn=1)] == ["second"]
+    with pytest.raises(ValueError, match="none of its 3 records has a turn 2 \\(counting from 0"):
+        prompts.load_prompts(str(path), turn=2)
     assert len(prompts.load_prompts(str(path), max_prompts=2)) == 2
     path.write_text('{"prompt": "ok"}\n{"prompt": 3}\n')
     with pytest.raises(ValueError, match=r"p.jsonl:2"):
