@@ -164,9 +164,10 @@ def _warn_bad_drafter_rows(table) -> None:
     bad = np.flatnonzero(np.isnan(kl) & (valid != 0))
     if len(bad):
         verb = "holds" if len(bad) == 1 else "hold"
+        names = [certify_logits.row_name(table, int(i)) for i in bad[:6]]  # row_list shows 5
         print(f"[jaxcert] {counted(len(bad), 'drafter row')} {verb} NaN or +inf logits, or no "
               "finite one (kl nan, counted as not accepted): "
-              f"{certify_logits.row_list([str(int(i)) for i in bad])}",
+              f"{certify_logits.row_list(names)}",
               file=sys.stderr)  # fmt: skip
 
 

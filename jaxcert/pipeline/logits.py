@@ -71,6 +71,7 @@ __all__ = [
     "iter_dense_file",
     "read_logprob_records",
     "row_list",
+    "row_name",
     "stack_generate_logits",
     "summary_markdown",
     "summary_notes",
@@ -575,7 +576,7 @@ def write_certificates(out: pathlib.Path, tables, *, kept=None) -> list[str]:
                 writer.write_table(table)
                 if "valid" in table.column_names:
                     bad = np.flatnonzero(~table["valid"].to_numpy(zero_copy_only=False))
-                    invalid += [_row_name(table, int(i)) for i in bad]
+                    invalid += [row_name(table, int(i)) for i in bad]
                 rows += table.num_rows
     except BaseException:
         if rows and kept is not None:  # what was certified is in the partial file
@@ -585,7 +586,9 @@ def write_certificates(out: pathlib.Path, tables, *, kept=None) -> list[str]:
     return invalid
 
 
-def _row_name(table: pa.Table, i: int) -> str:
+def row_name(table: pa.Table, i: int) -> str:
+    """Row ``i`` of a certificates table as the input named it: ``(sequence s, position
+    t)`` for a ``[B, T, V]`` dump, ``row i`` for ``[N, V]``."""
     if "sequence" in table.column_names:
         return f"(sequence {table['sequence'][i].as_py()}, position {table['position'][i].as_py()})"
     return f"row {table['row'][i].as_py()}"

@@ -374,7 +374,7 @@ def test_certify_logits_names_drafter_rows_that_are_no_distribution(dumps, capsy
     assert cli.main(argv) == 0
     err = capsys.readouterr().err
     assert "2 drafter rows hold NaN or +inf logits, or no finite one" in err
-    assert "counted as not accepted): 2, 7" in err
+    assert "counted as not accepted): (sequence 0, position 2), (sequence 1, position 0)" in err
     table = pq.read_table(out / "certificates.parquet")
     kl = table.column("kl").to_numpy()
     assert np.isnan(kl[[2, 7]]).all() and np.isfinite(np.delete(kl, [2, 7])).all()
