@@ -149,10 +149,11 @@ def certify_dense(logits, rules: Sequence, *, drafter_logits=None) -> dict[str, 
     for rule, cert in zip(rules, certs, strict=True):
         out[rule_column(rule)] = masked(cert.value)
     if drafted is not None:
-        both = valid & ~np.isnan(drafted["kl"])  # KL is nan where either row is invalid
+        # drafter_columns leaves nothing where KL is nan; nor is anything left where the
+        # target's row is no distribution
         for name, column in drafted.items():
             empty = {np.dtype(bool): False, np.dtype(np.int32): -1}.get(column.dtype, np.nan)
-            out[name] = np.where(both, column, empty).astype(column.dtype)
+            out[name] = np.where(valid, column, empty).astype(column.dtype)
     return out
 
 
