@@ -67,3 +67,13 @@ def save_noisy_copy(
              for k, v in tensors.items()}  # fmt: skip
     safetensors.numpy.save_file(noisy, path / "model.safetensors", metadata={"format": "pt"})
     return path
+
+
+def save_nan_head_checkpoint(path: pathlib.Path) -> pathlib.Path:
+    """A tiny checkpoint (:func:`save_tiny_checkpoint`'s defaults) whose lm_head is NaN: a
+    drafter whose every row of logits is no distribution."""
+    save_tiny_checkpoint(path)
+    tensors = safetensors.numpy.load_file(path / "model.safetensors")
+    tensors["lm_head.weight"] = np.full_like(tensors["lm_head.weight"], np.nan)
+    safetensors.numpy.save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return path
