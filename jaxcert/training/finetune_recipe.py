@@ -151,7 +151,7 @@ def record_options(
 
         refuse_other_options(out, rest(saved), rest(options), advice=OPTIONS_ADVICE)
         if record:
-            atomic_write(path, json.dumps(json.loads(json.dumps(dict(options))), indent=1) + "\n")
+            atomic_write(path, json.dumps(dict(options), indent=1, default=str) + "\n")
             log(f"{path}: recorded the models' fingerprints (a record written before them)")
         return
     check_options(out, options, advice=OPTIONS_ADVICE, record=record)
