@@ -199,22 +199,23 @@ def refuse_other_options(
 
     Raises:
       ValueError: ``"FOLDER was written with other options: NAME (then A, now B), ...;
-        ADVICE"``, each differing option named with both values (long ones cut short).
+        ADVICE"``, each differing option named with both values (long ones cut short;
+        ``unset`` where one side does not record the option).
     """
     names = differing_options(saved, now)
     if not names:
         return
     leaves = [n for n in names if not any(m.startswith(n + ".") for m in names)]
 
-    def value(options: Mapping, name: str) -> Any:
+    def shown(options: Mapping, name: str) -> str:
         for part in name.split("."):
-            options = options.get(part) if isinstance(options, Mapping) else None  # type: ignore[assignment]
-        return options
+            if not isinstance(options, Mapping) or part not in options:
+                return "unset"  # a key one side does not record
+            options = options[part]
+        return _shown(options)
 
-    shown = ", ".join(
-        f"{n} (then {_shown(value(saved, n))}, now {_shown(value(now, n))})" for n in leaves
-    )
-    raise ValueError(f"{folder} was written with other options: {shown}; {advice}")
+    shown_all = ", ".join(f"{n} (then {shown(saved, n)}, now {shown(now, n)})" for n in leaves)
+    raise ValueError(f"{folder} was written with other options: {shown_all}; {advice}")
 
 
 def check_options(

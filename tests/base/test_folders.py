@@ -72,7 +72,7 @@ def test_check_options_records_then_refuses_other_options(tmp_path):
     with pytest.raises(ValueError) as err:
         folders.check_options(run, {"steps": 3, "taps": [1, 2], "x": "y"}, advice="use --overwrite")
     assert str(err.value) == (
-        f"{run} was written with other options: steps (then 6, now 3), x (then None, now "
+        f"{run} was written with other options: steps (then 6, now 3), x (then unset, now "
         "'y'); use --overwrite"
     )
     fresh = tmp_path / "fresh"

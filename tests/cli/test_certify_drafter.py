@@ -132,11 +132,11 @@ def test_resume_refuses_another_drafter_or_none(files, drafted, capsys):
     assert "was written with other options: drafter (then 'drafter', now 'other')" in err
     assert err.count("\n") == 1  # one line
     assert _certify(files, drafted, "--resume") == 2
-    assert "drafter (then 'drafter', now None)" in capsys.readouterr().err
+    assert "drafter (then 'drafter', now unset)" in capsys.readouterr().err
     plain = files["root"] / "plain"
     assert _certify(files, plain) == 0
     assert _certify(files, plain, "--drafter", str(files["drafter"]), "--resume") == 2
-    assert "drafter (then None, now 'drafter')" in capsys.readouterr().err
+    assert "drafter (then unset, now 'drafter')" in capsys.readouterr().err
     assert _certify(files, drafted, "--drafter", str(files["drafter"]), "--resume") == 0
     assert "already complete" in capsys.readouterr().err  # the same drafter resumes
 

@@ -318,7 +318,7 @@ def test_train_drafter_head_mode_end_to_end_and_resumes(tmp_path, capsys):
     assert re.search(r"kl-seed0 was written with other options: steps \(then \d+, now 6\); it "
                      "holds a head trained for another run", capsys.readouterr().err)  # fmt: skip
     assert main([*argv, "--ttt-depth", "2"]) == 2  # training-time test: another run too
-    assert re.search(r"kl-seed0 was written with other options: ttt_depth \(then None, now 2\)",
+    assert re.search(r"kl-seed0 was written with other options: ttt_depth \(then unset, now 2\)",
                      capsys.readouterr().err)  # fmt: skip
     assert (out / "kl-seed0" / "done.json").is_file()
 
