@@ -136,8 +136,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--speed-prompts",
         type=non_negative,
-        default=8,
-        help="tokens/s at batch 1 on the first N of the decoded prompts (default %(default)s)",
+        default=None,
+        help="tokens/s at batch 1 on the first N of the decoded prompts, at most "
+        "--decode-prompts; 0 skips it (default 8, or all the decoded prompts when fewer)",
     )
     p.add_argument(
         "--speed-seeds",
@@ -262,6 +263,14 @@ def run(args: argparse.Namespace) -> int:
     seeds = _ints("--seeds", args.seeds)
     sweep = None if args.sweep is None else _ints("--sweep", args.sweep, 1)
     _check_export(args, out, objectives, seeds)
+    if args.speed_prompts is None:
+        args.speed_prompts = min(8, args.decode_prompts)
+    elif args.speed_prompts > args.decode_prompts:
+        raise ValueError(
+            f"--speed-prompts {args.speed_prompts}: times the first N of the "
+            f"--decode-prompts {args.decode_prompts} decoded prompts; give at most "
+            f"{args.decode_prompts}"
+        )
     check_vocabularies(args.target, args.drafter)
     try:
         layers = models_lib.read_config(args.drafter).num_layers

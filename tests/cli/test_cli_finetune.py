@@ -165,6 +165,11 @@ def _checkpoint(folder, model):
         ),
         (["--sweep", "1,3"], "--sweep 3: the states come after 1"),
         (["--states-after", "3"], "--states-after must be in [1, 3)"),
+        (
+            ["--speed-prompts", "3"],
+            "--speed-prompts 3: times the first N of the --decode-prompts 2 decoded prompts",
+        ),
+        (["--decode-prompts", "0", "--speed-prompts", "1"], "give at most 0"),
     ],
 )
 def test_finetune_drafter_refuses_bad_options_before_loading(
