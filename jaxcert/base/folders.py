@@ -18,6 +18,7 @@ __all__ = [
     "atomic_write",
     "check_new_folder",
     "check_options",
+    "check_writable",
     "differing_options",
     "manifest_path",
     "new_folder",
@@ -58,6 +59,30 @@ def check_new_folder(
     if out.exists() and not overwrite:
         raise ValueError(f"{given} exists; pass overwrite=True (--overwrite) to replace it.")
     return out
+
+
+def check_writable(path: str | os.PathLike, option: str) -> pathlib.Path:
+    """Checks, before any work, that a command can write the folder `path` (it need not
+    exist): `path` is no file and its nearest existing folder (itself or one above) is a
+    writable folder, which is returned.
+
+    Args:
+      path: the folder to be written.
+      option: the option that named it, for the errors (``"--out"``).
+
+    Raises:
+      ValueError: ``"OPTION PATH is a file, not a folder"``, or ``"OPTION PATH: ABOVE is not
+        a writable folder"`` (a file above it, or no write permission).
+    """
+    path = pathlib.Path(path)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{option} {path} is a file, not a folder")
+    parent = path.absolute()
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{option} {path}: {parent} is not a writable folder")
+    return parent
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ import pathlib
 import sys
 import time
 
+from jaxcert.base.folders import check_writable
 from jaxcert.cli import DEFAULT_DECODE_TARGET, DEFAULT_DRAFTER
 from jaxcert.cli.argtypes import non_negative, non_negative_float, positive, positive_float
 
@@ -232,9 +233,7 @@ def _check_export(args, out: pathlib.Path, objectives, seeds) -> None:
     export = args.export.resolve()
     if export.exists():
         raise ValueError(f"--export: {args.export} exists; choose a new folder")
-    above = next(p for p in export.parents if p.exists())
-    if not above.is_dir():
-        raise ValueError(f"--export: {above} is a file, not a folder")
+    check_writable(args.export, "--export")
     if export == out.resolve() or out.resolve() in export.parents:
         raise ValueError(f"--export: {args.export} is inside --out {out}; choose a folder outside")
     runs = [f"{o.name}-seed{s}" for s in seeds for o in objectives]

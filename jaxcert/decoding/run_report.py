@@ -22,6 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from jaxcert.base.folders import check_writable
 from jaxcert.base.tables import markdown_table
 from jaxcert.decoding.state import RoundStats
 
@@ -62,13 +63,7 @@ def check_output(out: str | os.PathLike, *, overwrite: bool) -> bool:
         one of :data:`OUTPUT_FILES` is a folder; ``out`` holds a run and not ``overwrite``.
     """
     out = pathlib.Path(out)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} is a file, not a folder")
-    parent = out.absolute()
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"--out {out}: {parent} is not a writable folder")
+    check_writable(out, "--out")
     held = [name for name in OUTPUT_FILES if (out / name).exists()]
     for name in held:
         if (out / name).is_dir():

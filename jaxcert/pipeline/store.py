@@ -38,7 +38,7 @@ from collections.abc import Callable, Mapping
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from jaxcert.base.folders import atomic_file, refuse_other_options
+from jaxcert.base.folders import atomic_file, check_writable, refuse_other_options
 from jaxcert.base.tables import counted
 
 __all__ = [
@@ -182,13 +182,7 @@ def check_output(out: str | os.PathLike, *, resume: bool, overwrite: bool) -> bo
         raise ValueError("--resume and --overwrite exclude each other")
     out = pathlib.Path(out)
     dataset, manifest = out / DATASET, out / MANIFEST
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} is a file, not a folder")
-    parent = out.absolute()  # fail now, not after hours of work
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"--out {out}: {parent} is not a writable folder")
+    check_writable(out, "--out")  # fail now, not after hours of work
     if dataset.exists() and not dataset.is_dir():
         raise ValueError(f"{dataset} is a file, not a certify dataset; move it away")
     held = manifest.exists() or dataset.exists()

@@ -128,3 +128,16 @@ def test_read_manifest_names_a_damaged_or_foreign_file_in_one_line(tmp_path):
         path.write_text(text)
         with pytest.raises(ValueError, match=message):
             read_manifest(tmp_path, **kw)
+
+
+def test_check_writable_names_the_file_or_the_folder_above(tmp_path):
+    assert folders.check_writable(tmp_path / "a" / "b", "--out") == tmp_path
+    (tmp_path / "f").write_text("a file")
+    with pytest.raises(ValueError) as err:
+        folders.check_writable(tmp_path / "f", "--out")
+    assert str(err.value) == f"--out {tmp_path / 'f'} is a file, not a folder"
+    with pytest.raises(ValueError) as err:
+        folders.check_writable(tmp_path / "f" / "x" / "y", "--export")
+    assert str(err.value) == (
+        f"--export {tmp_path / 'f' / 'x' / 'y'}: {tmp_path / 'f'} is not a writable folder"
+    )

@@ -157,7 +157,7 @@ def _checkpoint(folder, model):
             "--export-run: no run 'kl+tv-seed0'",
         ),
         (["--export", "OUT/hf"], "is inside --out"),
-        (["--export", "FILE/hf/x"], "FILE is a file, not a folder"),
+        (["--export", "FILE/hf/x"], "FILE is not a writable folder"),
         (["--export", "EXPORT", "--sweep", "1"], "the sweep trains no run to export"),
         (
             ["--trained-blocks", "3"],
