@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+import sys
 
 from jaxcert.base.tables import counted
 from jaxcert.base.validate import parsed_by
@@ -223,6 +224,18 @@ def add_distributed_arguments(p) -> None:
         help="call jax.distributed.initialize() and let JAX detect the rest (TPU pods, "
         "SLURM, Open MPI)",
     )
+
+
+def warn_undefined_drafter(undefined: int, positions: int, where: str = "") -> None:
+    """The one warning line of certify and certify-logits for the positions whose drafter
+    logits are no distribution (NaN or +inf, or none finite), to stderr; nothing when
+    ``undefined`` is 0. ``where`` names those positions (certify-logits' rows)."""
+    if undefined:
+        named = f" ({where})" if where else ""
+        print(f"[jaxcert] warning: the drafter's logits are no distribution (NaN or +inf, or "
+              f"none finite) at {counted(undefined, 'position')} of {positions}{named}: KL "
+              "undefined there, counted as neither certified nor accepted",
+              file=sys.stderr)  # fmt: skip
 
 
 def clamp_kls(value):

@@ -20,6 +20,7 @@ from jaxcert.cli._common import (
     load_model,
     load_prompt_set,
     rules_arg,
+    warn_undefined_drafter,
 )
 from jaxcert.cli.argtypes import non_negative, positive
 from jaxcert.models import mesh as mesh_lib
@@ -316,11 +317,7 @@ def _run(args, dist: distributed.Distributed, peers: distributed.Peers) -> int:
     )  # fmt: skip
     _print_report(text, info, meta, args)
     undefined = meta.get("drafter_summary", {}).get("kl_undefined", 0)
-    if undefined:
-        print(f"[jaxcert] warning: the drafter's logits are no distribution (NaN or +inf, or "
-              f"none finite) at {counted(undefined, 'position')} of {meta['positions']}: "
-              "KL undefined there, counted as neither certified nor accepted",
-              file=sys.stderr)  # fmt: skip
+    warn_undefined_drafter(undefined, meta["positions"])
     peers.done()
     return 0
 

@@ -152,23 +152,20 @@ _DENSE = (".npy", ".safetensors")
 
 
 def _warn_bad_drafter_rows(table) -> None:
-    """One line naming the positions whose target row is a distribution but whose drafter
-    row is not (NaN or +inf logits, or none finite): their ``kl`` is ``nan`` and the
-    verifier's ``accepted`` is false there, as for a proposal the target cannot score."""
+    """The warning line (:func:`warn_undefined_drafter`) naming the positions whose target
+    row is a distribution but whose drafter row is not: their ``kl`` is ``nan`` and they
+    are neither certified nor accepted there, as for a proposal the target cannot score."""
     import numpy as np
 
+    from jaxcert.cli._common import warn_undefined_drafter
     from jaxcert.pipeline import logits as certify_logits
 
     kl = table["kl"].to_numpy(zero_copy_only=False)
     valid = table["valid"].to_numpy(zero_copy_only=False) if "valid" in table.column_names else 1
-    bad = np.flatnonzero(np.isnan(kl) & (valid != 0))
-    if len(bad):
-        verb = "holds" if len(bad) == 1 else "hold"
-        names = [certify_logits.row_name(table, int(i)) for i in bad[:6]]  # row_list shows 5
-        print(f"[jaxcert] {counted(len(bad), 'drafter row')} {verb} NaN or +inf logits, or no "
-              "finite one (kl nan, counted as not accepted): "
-              f"{certify_logits.row_list(names)}",
-              file=sys.stderr)  # fmt: skip
+    scored = np.broadcast_to(valid != 0, kl.shape)
+    bad = np.flatnonzero(np.isnan(kl) & scored)
+    names = [certify_logits.row_name(table, int(i)) for i in bad[:6]]  # row_list shows 5
+    warn_undefined_drafter(len(bad), int(scored.sum()), certify_logits.row_list(names))
 
 
 def _check_drafter_logits(args, dense: bool) -> None:
