@@ -551,7 +551,11 @@ def speed_runs(
     """Batch 1, T = 0: each prompt decoded alone, target-only and with each drafter
     (``policy``); per method its tokens per second over the prompts (prefill and decode
     time, compiles excluded: each method decodes the first prompt once before timing) and
-    its outputs' equality to target-only's. Cached in ``path`` per method.
+    its outputs' equality to target-only's. The methods are interleaved: each prompt is
+    decoded by every method in turn (the order rotated from prompt to prompt), so a drift
+    of the machine's speed during the run reaches every method alike. Cached in ``path``
+    after each prompt: a rerun goes on from the next prompt, and a method added later is
+    timed on its own (against the cached ones, interleaving no longer holds for it).
 
     Returns:
       ``{method: {"tokens_per_s", "speedup", "speedup_ci95", "tokens", "seconds",
@@ -561,48 +565,51 @@ def speed_runs(
     """
     from jaxcert import decoding
 
-    key = {"prompts": [list(map(int, p)) for p in prompt_ids], "tokens": tokens, "policy": policy}
+    key = {
+        "prompts": [list(map(int, p)) for p in prompt_ids],
+        "tokens": tokens,
+        "policy": policy,
+        "interleaved": True,
+    }
     saved = _read_json(path)
     if saved.get("key") != key or not isinstance(saved.get("methods"), dict):
         saved = {"key": key, "methods": {}}
-    saved["methods"] = {m: r for m, r in saved["methods"].items() if "per_prompt_seconds" in r}
     config = _decode_config(0.0, target, tokens)
-
-    def timed(name: str, decode: Callable) -> None:
-        if name in saved["methods"]:
-            return
-        decode([list(prompt_ids[0])])  # compiles
-        counts, times, outs = [], [], []
-        for prompt in prompt_ids:
-            result = decode([list(prompt)])
-            counts.append(int(result.num_tokens))
-            times.append(round(result.prefill_s + result.decode_s, 4))
-            outs.append([int(x) for x in result.tokens[0]])
-        total, seconds = sum(counts), sum(times)
-        saved["methods"][name] = {
-            "tokens": total,
-            "seconds": round(seconds, 3),
-            "tokens_per_s": round(total / seconds, 4),
-            "per_prompt_tokens": counts,
-            "per_prompt_seconds": times,
-            "outputs": outs,
-        }
-        atomic_write(path, json.dumps(saved))
-        log(f"speed {name}: {total / seconds:.3f} tokens/s")
-
-    timed(
-        "target-only",
-        lambda p: decoding.target_decode(
+    decoders: dict[str, Callable] = {
+        "target-only": lambda p: decoding.target_decode(
             target.model, p, max_new_tokens=tokens, eos_ids=target.eos_ids
-        ),
-    )
-    for name, drafter in drafters.items():
-        timed(
-            name,
-            lambda p, d=drafter: decoding.speculative_decode(
-                target.model, d, p, policy=decoding.parse_policy(policy), config=config
-            ),
         )
+    }
+    for name, drafter in drafters.items():
+        decoders[name] = lambda p, d=drafter: decoding.speculative_decode(
+            target.model, d, p, policy=decoding.parse_policy(policy), config=config
+        )
+    empty: dict[str, list] = {"per_prompt_tokens": [], "per_prompt_seconds": [], "outputs": []}
+    timed = {m: saved["methods"].get(m, empty) for m in decoders}
+    todo = [m for m in decoders if len(timed[m]["per_prompt_seconds"]) < len(prompt_ids)]
+    for name in todo:
+        decoders[name]([list(prompt_ids[0])])  # compiles
+    for i, prompt in enumerate(prompt_ids):
+        turn = [m for m in todo if len(timed[m]["per_prompt_seconds"]) == i]
+        if not turn:
+            continue
+        shift = i % len(turn)
+        for name in turn[shift:] + turn[:shift]:
+            result = decoders[name]([list(prompt)])
+            entry = timed[name] = {k: list(v) for k, v in timed[name].items()}
+            entry["per_prompt_tokens"].append(int(result.num_tokens))
+            entry["per_prompt_seconds"].append(round(result.prefill_s + result.decode_s, 4))
+            entry["outputs"].append([int(x) for x in result.tokens[0]])
+            saved["methods"][name] = entry
+        atomic_write(path, json.dumps(saved))
+    for name in todo:
+        entry = saved["methods"][name]
+        total, seconds = sum(entry["per_prompt_tokens"]), sum(entry["per_prompt_seconds"])
+        entry |= {"tokens": total, "seconds": round(seconds, 3)}
+        entry["tokens_per_s"] = round(total / seconds, 4)
+        log(f"speed {name}: {total / seconds:.3f} tokens/s")
+    if todo:
+        atomic_write(path, json.dumps(saved))
     base = saved["methods"]["target-only"]
     speed = {
         m: {
@@ -616,6 +623,7 @@ def speed_runs(
             ),
         }
         for m, r in saved["methods"].items()
+        if "tokens_per_s" in r  # not one left half-timed by a run of other methods
     }
     for r in speed.values():
         ratio = relative_speed(r, speed["target-only"])

@@ -441,6 +441,57 @@ def test_relative_speed_is_the_ratio_of_total_throughputs():
     assert ratio == pytest.approx(16 / 14) and 1.0 <= low < ratio < high <= 2.0
 
 
+def test_speed_runs_interleave_the_methods_and_resume_after_each_prompt(tmp_path, monkeypatch):
+    import json
+    import types
+
+    from jaxcert import decoding
+    from jaxcert.training import finetune_recipe
+
+    calls = []  # (method, first prompt id)
+    seconds = {"target-only": 4.0, "a": 2.0, "b": 1.0}
+    crash_at = [None]
+
+    def result(name, prompts):
+        if (name, prompts[0][0]) == crash_at[0]:
+            raise KeyboardInterrupt
+        calls.append((name, prompts[0][0]))
+        return types.SimpleNamespace(
+            num_tokens=8, prefill_s=0.0, decode_s=seconds[name], tokens=[[1, 2, 3]]
+        )
+
+    monkeypatch.setattr(decoding, "target_decode", lambda model, p, **kw: result("target-only", p))
+    monkeypatch.setattr(decoding, "speculative_decode", lambda model, d, p, **kw: result(d, p))
+    target = types.SimpleNamespace(model=None, eos_ids=(0,))
+    prompts = [[10], [11], [12]]
+    path = tmp_path / "speed.json"
+    crash_at[0] = ("b", 12)  # interrupted during the third prompt
+    with pytest.raises(KeyboardInterrupt):
+        finetune_recipe.speed_runs(target, {"a": "a", "b": "b"}, prompts, path)
+    # Every method compiles on the first prompt, then each prompt is decoded by every
+    # method in turn, the order rotated by one from prompt to prompt.
+    assert calls == [("target-only", 10), ("a", 10), ("b", 10),
+                     ("target-only", 10), ("a", 10), ("b", 10),
+                     ("a", 11), ("b", 11), ("target-only", 11)]  # fmt: skip
+    saved = json.loads(path.read_text())["methods"]
+    assert {m: len(r["per_prompt_seconds"]) for m, r in saved.items()} == {
+        "target-only": 2, "a": 2, "b": 2
+    }  # fmt: skip
+    calls.clear()
+    crash_at[0] = None
+    seconds["c"] = 2.0
+    speed = finetune_recipe.speed_runs(target, {"a": "a", "b": "b", "c": "c"}, prompts, path)
+    # Resumed at the third prompt (each method compiles first), the new method c timed
+    # alone on the prompts the others have done, then all four in turn.
+    assert calls == [("target-only", 10), ("a", 10), ("b", 10), ("c", 10),
+                     ("c", 10), ("c", 11),
+                     ("b", 12), ("c", 12), ("target-only", 12), ("a", 12)]  # fmt: skip
+    assert speed["target-only"]["tokens_per_s"] == pytest.approx(24 / 12.0)
+    assert speed["b"]["tokens_per_s"] == pytest.approx(24 / 3.0)
+    assert speed["b"]["speedup"] == pytest.approx(4.0)
+    assert speed["a"]["same_as_target"] == 3
+
+
 def test_record_options_fingerprints_and_the_records_written_before_them(tmp_path):
     from jaxcert.training.finetune_recipe import record_options
 
