@@ -586,9 +586,10 @@ def speed_runs(
         )
     empty: dict[str, list] = {"per_prompt_tokens": [], "per_prompt_seconds": [], "outputs": []}
     timed = {m: saved["methods"].get(m, empty) for m in decoders}
-    todo = [m for m in decoders if len(timed[m]["per_prompt_seconds"]) < len(prompt_ids)]
+    todo = [m for m in decoders if "tokens_per_s" not in timed[m]]
     for name in todo:
-        decoders[name]([list(prompt_ids[0])])  # compiles
+        if len(timed[name]["per_prompt_seconds"]) < len(prompt_ids):
+            decoders[name]([list(prompt_ids[0])])  # compiles
     for i, prompt in enumerate(prompt_ids):
         turn = [m for m in todo if len(timed[m]["per_prompt_seconds"]) == i]
         if not turn:
@@ -596,7 +597,7 @@ def speed_runs(
         shift = i % len(turn)
         for name in turn[shift:] + turn[:shift]:
             result = decoders[name]([list(prompt)])
-            entry = timed[name] = {k: list(v) for k, v in timed[name].items()}
+            entry = timed[name] = {k: list(timed[name][k]) for k in empty}
             entry["per_prompt_tokens"].append(int(result.num_tokens))
             entry["per_prompt_seconds"].append(round(result.prefill_s + result.decode_s, 4))
             entry["outputs"].append([int(x) for x in result.tokens[0]])

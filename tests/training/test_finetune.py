@@ -490,6 +490,15 @@ def test_speed_runs_interleave_the_methods_and_resume_after_each_prompt(tmp_path
     assert speed["b"]["tokens_per_s"] == pytest.approx(24 / 3.0)
     assert speed["b"]["speedup"] == pytest.approx(4.0)
     assert speed["a"]["same_as_target"] == 3
+    # Stopped after the last prompt was saved, before the totals: nothing is decoded again.
+    saved = json.loads(path.read_text())
+    for entry in saved["methods"].values():
+        for total in ("tokens", "seconds", "tokens_per_s"):
+            del entry[total]
+    path.write_text(json.dumps(saved))
+    calls.clear()
+    again = finetune_recipe.speed_runs(target, {"a": "a", "b": "b", "c": "c"}, prompts, path)
+    assert calls == [] and again == speed
 
 
 def test_record_options_fingerprints_and_the_records_written_before_them(tmp_path):
