@@ -353,10 +353,11 @@ def _run(
     seed: int,
     ft: finetune.FinetuneSettings,
     folder: pathlib.Path,
+    key: Mapping[str, Any],
     **kwargs: Any,
 ) -> tuple[nnx.State, dict]:
-    """One resumable run in ``folder``, keyed by its data, objective, seed and schedule."""
-    key = finetune.run_key(data.store, data.states_manifest, objective, seed, ft)
+    """One resumable run in ``folder``, keyed by its data, objective, seed and schedule
+    (``key``, :func:`finetune.run_key`)."""
     return finetune.finetune_drafter(
         drafter, data.records, data.states, objective, rule_names=data.rule_names,
         first=data.first, settings=ft, seed=seed, folder=folder, key=key, **kwargs,
@@ -387,7 +388,10 @@ def sweep_blocks(
         ft = dataclasses.replace(settings.finetune, trained_blocks=n, steps=steps, every=steps)
         folder = out / "sweep" / f"N{n}"
         objective = finetune.OBJECTIVES["kl"]
-        trainable, progress = _run(drafter, data, objective, 0, ft, folder, compare_initial=True)
+        key = finetune.run_key(data.store, data.states_manifest, objective, 0, ft)
+        trainable, progress = _run(
+            drafter, data, objective, 0, ft, folder, key, compare_initial=True
+        )
         per = heldout_figures(drafter, trainable, data, n, folder / "heldout.json")
         history = progress["history"]
         seconds = [h["seconds"] for h in history[1:]]
@@ -423,16 +427,18 @@ def train_runs(
       ValueError: a run's folder trained for another key (:func:`finetune.run_key`).
     """
     ft = settings.finetune
-    for seed in settings.seeds:  # every run's folder checked before any trains
-        for objective in objectives:
-            key = finetune.run_key(data.store, data.states_manifest, objective, seed, ft)
-            check_options(
-                out / f"{objective.name}-seed{seed}",
-                key,
-                name="run.json",
-                advice="use another folder",
-                record=False,
-            )
+    keys = {
+        (seed, objective.name): finetune.run_key(
+            data.store, data.states_manifest, objective, seed, ft
+        )
+        for seed in settings.seeds
+        for objective in objectives
+    }
+    for (seed, name), key in keys.items():  # every run's folder checked before any trains
+        check_options(
+            out / f"{name}-seed{seed}", key, name="run.json", advice="use another folder",
+            record=False,
+        )  # fmt: skip
     rows = []
     for seed in settings.seeds:
         for objective in objectives:
@@ -450,6 +456,7 @@ def train_runs(
                 seed,
                 ft,
                 folder,
+                keys[seed, objective.name],
                 evaluate=_curve_point(drafter, data, ft.trained_blocks, settings.curve_sequences),
                 mesh=mesh,
                 log=step_log,
