@@ -591,8 +591,11 @@ def speed_runs(
         decoders[name] = lambda p, d=drafter: decoding.speculative_decode(
             target.model, d, p, policy=decoding.parse_policy(policy), config=config
         )
-    empty: dict[str, list] = {"per_prompt_tokens": [], "per_prompt_seconds": [], "outputs": []}
-    timed = {m: saved["methods"].get(m, empty) for m in decoders}
+    for name in decoders:  # per method its per-prompt lists, cached or partly cached
+        saved["methods"].setdefault(
+            name, {"per_prompt_tokens": [], "per_prompt_seconds": [], "outputs": []}
+        )
+    timed = saved["methods"]
     todo = [m for m in decoders if "tokens_per_s" not in timed[m]]
     for name in todo:
         if len(timed[name]["per_prompt_seconds"]) < len(prompt_ids):
@@ -604,14 +607,12 @@ def speed_runs(
         shift = i % len(turn)
         for name in turn[shift:] + turn[:shift]:
             result = decoders[name]([list(prompt)])
-            entry = timed[name] = {k: list(timed[name][k]) for k in empty}
-            entry["per_prompt_tokens"].append(int(result.num_tokens))
-            entry["per_prompt_seconds"].append(round(result.prefill_s + result.decode_s, 4))
-            entry["outputs"].append([int(x) for x in result.tokens[0]])
-            saved["methods"][name] = entry
+            timed[name]["per_prompt_tokens"].append(int(result.num_tokens))
+            timed[name]["per_prompt_seconds"].append(round(result.prefill_s + result.decode_s, 4))
+            timed[name]["outputs"].append([int(x) for x in result.tokens[0]])
         atomic_write(path, json.dumps(saved))
     for name in todo:
-        entry = saved["methods"][name]
+        entry = timed[name]
         total, seconds = sum(entry["per_prompt_tokens"]), sum(entry["per_prompt_seconds"])
         entry |= {"tokens": total, "seconds": round(seconds, 3)}
         entry["tokens_per_s"] = round(total / seconds, 4)
